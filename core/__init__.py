@@ -1,0 +1,21 @@
+"""adafuse: adaptive word-level ensemble decoding of local language models (AdaFuse, arXiv 2601.06022)."""
+from .backend import ModelBackend
+from .config import FusionConfig
+from .engine import AdaFuse
+from .models import DEFAULT_MODELS, ModelLoadError, load_model, prepare_default_models
+from .result import CandidateTrace, DecodingStats, GenerationResult, RoundTrace
+
+__all__ = [
+    "AdaFuse",
+    "CandidateTrace",
+    "DEFAULT_MODELS",
+    "DecodingStats",
+    "FusionConfig",
+    "GenerationResult",
+    "ModelBackend",
+    "ModelLoadError",
+    "RoundTrace",
+    "load_model",
+    "prepare_default_models",
+]
+__version__ = "0.1.0"

