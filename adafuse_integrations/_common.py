@@ -1,0 +1,68 @@
+"""Glue shared by the framework adapters: building the engine from fields, and async over the sync engine."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, TypeVar
+
+from adafuse import AdaFuse, FusionConfig
+from adafuse.result import GenerationResult
+
+T = TypeVar("T")
+
+DECODING_FIELDS = (
+    "tau_delta", "max_span_words", "num_branches", "exploration", "temperature", "top_k", "top_p", "min_p",
+    "fixed_span_words", "model_weights", "max_new_tokens", "seed",
+)
+
+
+def decoding_config(source: Any) -> FusionConfig:
+    """A validated FusionConfig from an adapter's fields of the same names."""
+    return FusionConfig(**{name: getattr(source, name) for name in DECODING_FIELDS})
+
+
+def build_engine(models: list[str], config: FusionConfig, device_map: Any, dtype: Any) -> AdaFuse:
+    return AdaFuse.from_pretrained(models, config.validate(len(models)), device_map=device_map, dtype=dtype)
+
+
+def call_options(stop: list[str] | None, default_stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Per-call engine overrides: decoding fields given as keyword arguments plus the merged stop list."""
+    unknown = sorted(set(kwargs) - set(DECODING_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown decoding parameter(s) {unknown}; known: {sorted(DECODING_FIELDS)}")
+    return {**kwargs, "stop": list(stop if stop is not None else default_stop or [])}
+
+
+def generation_info(result: GenerationResult) -> dict[str, Any]:
+    stats = result.stats
+    return {
+        "finish_reason": result.finish_reason,
+        "rounds": stats.rounds,
+        "explorations": stats.explorations,
+        "new_tokens": stats.new_tokens,
+        "forward_passes": stats.forward_passes,
+        "tokens_processed": stats.tokens_processed,
+        "wall_time_s": stats.wall_time_s,
+    }
+
+
+async def iterate_in_thread(make_iterator: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
+    """Drive a blocking iterator in a worker thread so the event loop stays free; re-raise its errors."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    def produce() -> None:
+        try:
+            for item in make_iterator():
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+        except BaseException as error:  # handed to the consumer, raised there
+            loop.call_soon_threadsafe(queue.put_nowait, error)
+        loop.call_soon_threadsafe(queue.put_nowait, done)
+
+    threading.Thread(target=produce, daemon=True).start()
+    while (item := await queue.get()) is not done:
+        if isinstance(item, BaseException):
+            raise item
+        yield item

@@ -1,0 +1,128 @@
+"""LangChain backend: the fused model as a `BaseLLM`, usable anywhere an LLM is (LCEL, chains, agents)."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models.llms import BaseLLM
+from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+from pydantic import ConfigDict, Field, model_validator
+
+from adafuse import AdaFuse
+from adafuse.result import GenerationResult
+
+from ._common import build_engine, call_options, decoding_config, generation_info, iterate_in_thread
+
+__all__ = ["AdaFuseLLM"]
+
+
+class AdaFuseLLM(BaseLLM):
+    """Several local models fused word by word (AdaFuse) behind LangChain's LLM interface.
+
+    Example:
+        .. code-block:: python
+
+            from adafuse_integrations.langchain import AdaFuseLLM
+
+            llm = AdaFuseLLM(models=["smollm2-135m", "gemma3-270m"], max_new_tokens=64)
+            llm.invoke("Question: who wrote Hamlet?\\nAnswer:", stop=["\\n"])
+    """
+
+    models: list[str] = Field(default_factory=lambda: ["smollm2-135m", "gemma3-270m"])
+    """Embedded model names, Hugging Face ids or local folders (ignored when `engine` is given)."""
+    engine: AdaFuse | None = Field(default=None, exclude=True)
+    """An already-built engine to reuse (shares loaded weights between wrappers)."""
+    device_map: Any = None
+    dtype: Any = None
+    tau_delta: float = 0.7
+    max_span_words: int = 3
+    num_branches: int = 3
+    exploration: str = "topk"
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    fixed_span_words: int | None = None
+    model_weights: list[float] | None = None
+    max_new_tokens: int = 256
+    seed: int = 0
+    stop: list[str] | None = None
+    """Default stop sequences; a `stop` given to a call replaces them."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
+
+    @model_validator(mode="after")
+    def _load(self) -> "AdaFuseLLM":
+        config = decoding_config(self)
+        if self.engine is None:
+            self.engine = build_engine(self.models, config, self.device_map, self.dtype)
+        else:
+            config.validate(len(self.engine.backends))
+            self.models = self.engine.model_names
+        return self
+
+    @property
+    def _llm_type(self) -> str:
+        return "adafuse"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"models": self.models, **decoding_config(self).to_dict(), "stop": self.stop}
+
+    def _run(self, prompts: list[str], stop: list[str] | None, kwargs: dict[str, Any]) -> list[GenerationResult]:
+        options = {**decoding_config(self).to_dict(), **call_options(stop, self.stop, kwargs)}
+        return self.engine.generate(list(prompts), **options)
+
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        results = self._run(prompts, stop, kwargs)
+        return LLMResult(generations=[[Generation(text=r.text, generation_info=generation_info(r))] for r in results])
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        results = await asyncio.to_thread(self._run, prompts, stop, kwargs)
+        return LLMResult(generations=[[Generation(text=r.text, generation_info=generation_info(r))] for r in results])
+
+    def _chunks(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> Iterator[GenerationChunk]:
+        options = {**decoding_config(self).to_dict(), **call_options(stop, self.stop, kwargs)}
+        for piece in self.engine.stream(prompt, **options):
+            if isinstance(piece, GenerationResult):
+                yield GenerationChunk(text="", generation_info=generation_info(piece))
+            else:
+                yield GenerationChunk(text=piece)
+
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        for chunk in self._chunks(prompt, stop, kwargs):
+            if run_manager and chunk.text:
+                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        async for chunk in iterate_in_thread(lambda: self._chunks(prompt, stop, kwargs)):
+            if run_manager and chunk.text:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk

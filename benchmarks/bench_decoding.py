@@ -1,0 +1,119 @@
+"""Speed of the AdaFuse engine against a naive reference of the same algorithm and single-model decoding.
+
+    python benchmarks/bench_decoding.py --limit 20
+
+Runs on the embedded default pair over the first N NQ dev questions (few-shot prompt, stop at newline) and
+prints, per method: wall time per answer, tokens per second, forward passes and tokens processed per model,
+peak resident memory, and answer agreement; then the ratio figures of the performance targets.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from adafuse import AdaFuse, FusionConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from naive_adafuse import NaiveAdaFuse  # noqa: E402
+
+NQ = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks" / "nq"
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def load_prompts(limit: int) -> list[str]:
+    few_shot = (NQ / "prompt.txt").read_text()
+    with open(NQ / "dev.jsonl") as handle:
+        rows = [json.loads(line) for line, _ in zip(handle, range(limit))]
+    return [f"{few_shot}\n\nQuestion: {row['question']}\nAnswer:" for row in rows]
+
+
+def counters(fuser: AdaFuse) -> dict[str, dict[str, int]]:
+    return {b.name: b.reset_counters() for b in fuser.backends}
+
+
+def report(name: str, seconds: list[float], tokens: list[int], work: dict[str, dict[str, int]], answers: int) -> None:
+    per_answer = sum(seconds) / answers
+    rate = sum(tokens) / sum(seconds) if sum(seconds) else 0.0
+    per_model = "  ".join(f"{m}: {w['forward_passes'] / answers:.1f} fwd, {w['tokens'] / answers:.0f} tok" for m, w in work.items())
+    print(f"{name:<28} {per_answer:7.3f} s/answer  {rate:6.1f} tok/s  per answer [{per_model}]  peak RSS {peak_rss_mb():.0f} MB")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--limit", type=int, default=20)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--skip-naive", action="store_true")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    prompts = load_prompts(args.limit)
+    config = FusionConfig(max_new_tokens=args.max_new_tokens, stop=["\n"])
+    fuser = AdaFuse.from_pretrained(config=config)
+    fuser.generate(prompts[0])  # warm-up
+
+    print(f"{len(prompts)} NQ questions, max_new_tokens={args.max_new_tokens}, threads={torch.get_num_threads()}")
+    fused, fused_seconds, fused_tokens = [], [], []
+    work = {name: {"forward_passes": 0, "tokens": 0} for name in fuser.model_names}
+    for prompt in tqdm(prompts, desc="adafuse"):
+        result = fuser.generate(prompt)
+        fused.append(result.text)
+        fused_seconds.append(result.stats.wall_time_s)
+        fused_tokens.append(result.stats.new_tokens)
+        for name in work:
+            work[name]["forward_passes"] += result.stats.forward_passes[name]
+            work[name]["tokens"] += result.stats.tokens_processed[name]
+    report("adafuse (engine)", fused_seconds, fused_tokens, work, len(prompts))
+
+    naive_time = None
+    if not args.skip_naive:
+        naive = NaiveAdaFuse(fuser.backends, config)
+        naive_answers, naive_seconds = [], []
+        for prompt in tqdm(prompts, desc="naive reference"):
+            started = time.perf_counter()
+            naive_answers.append(naive.generate(prompt)[0])
+            naive_seconds.append(time.perf_counter() - started)
+        report("naive reference", naive_seconds, fused_tokens, counters(fuser), len(prompts))
+        naive_time = sum(naive_seconds)
+        agreement = sum(a == b for a, b in zip(fused, naive_answers)) / len(prompts)
+
+    single_seconds = {}
+    for backend in fuser.backends:
+        seconds = []
+        for prompt, length in tqdm(list(zip(prompts, fused_tokens)), desc=backend.name):
+            ids = torch.tensor([backend.encode_prompt(prompt)], device=backend.model.device)
+            started = time.perf_counter()
+            with torch.inference_mode():
+                backend.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max(length, 1),
+                                       min_new_tokens=max(length, 1), pad_token_id=backend.pad_token_id)
+            seconds.append(time.perf_counter() - started)
+        single_seconds[backend.name] = sum(seconds)
+        per_model = {backend.name: {"forward_passes": sum(max(t, 1) for t in fused_tokens), "tokens": 0}}
+        report(f"{backend.name} generate", seconds, fused_tokens, per_model, len(prompts))
+
+    batch = prompts[: args.batch_size]
+    started = time.perf_counter()
+    batched = fuser.generate(batch)
+    batch_time = time.perf_counter() - started
+    one_by_one = sum(fused_seconds[: len(batch)])
+
+    print("\nfigures")
+    if naive_time is not None:
+        print(f"  speed-up over naive reference: {naive_time / sum(fused_seconds):.1f}x   answers identical: {agreement:.0%}")
+    print(f"  fused time / sum of single-model generate times (same output tokens): {sum(fused_seconds) / sum(single_seconds.values()):.2f}")
+    print(f"  batch of {len(batch)}: {batch_time / len(batch):.3f} s/answer vs {one_by_one / len(batch):.3f} alone "
+          f"-> throughput x{one_by_one / batch_time:.2f}; batched answers equal alone: "
+          f"{sum(r.text == a for r, a in zip(batched, fused)) / len(batch):.0%}")
+
+
+if __name__ == "__main__":
+    main()
