@@ -2,23 +2,37 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
+import typing
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
+
+from pydantic import BaseModel, create_model
 
 from adafuse import AdaFuse, FusionConfig
 from adafuse.result import GenerationResult
 
 T = TypeVar("T")
 
-DECODING_FIELDS = (
-    "tau_delta", "max_span_words", "num_branches", "exploration", "temperature", "top_k", "top_p", "min_p",
-    "fixed_span_words", "model_weights", "max_new_tokens", "seed",
+# Framework users expect room for a paragraph; the engine's own default suits short completions.
+_ADAPTER_DEFAULTS = {"max_new_tokens": 256}
+
+# Pydantic fields mirroring every FusionConfig field (stop excepted: adapters merge it per call), generated
+# from the dataclass so the engine's configuration stays the one source of names, types and defaults.
+DecodingParameters: type[BaseModel] = create_model(
+    "DecodingParameters",
+    **{
+        f.name: (typing.get_type_hints(FusionConfig)[f.name], _ADAPTER_DEFAULTS.get(f.name, f.default))
+        for f in dataclasses.fields(FusionConfig)
+        if f.name != "stop"
+    },
 )
+DECODING_FIELDS = tuple(DecodingParameters.model_fields)
 
 
 def decoding_config(source: Any) -> FusionConfig:
-    """A validated FusionConfig from an adapter's fields of the same names."""
+    """A FusionConfig from an adapter's fields of the same names."""
     return FusionConfig(**{name: getattr(source, name) for name in DECODING_FIELDS})
 
 
@@ -32,6 +46,11 @@ def call_options(stop: list[str] | None, default_stop: list[str] | None, kwargs:
     if unknown:
         raise ValueError(f"unknown decoding parameter(s) {unknown}; known: {sorted(DECODING_FIELDS)}")
     return {**kwargs, "stop": list(stop if stop is not None else default_stop or [])}
+
+
+def engine_options(adapter: Any, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Everything one engine call takes: the adapter's decoding fields overridden by this call's."""
+    return {**decoding_config(adapter).to_dict(), **call_options(stop, adapter.stop, kwargs)}
 
 
 def generation_info(result: GenerationResult) -> dict[str, Any]:

@@ -13,13 +13,15 @@ from pydantic import ConfigDict, Field, model_validator
 from adafuse import AdaFuse
 from adafuse.result import GenerationResult
 
-from ._common import build_engine, call_options, decoding_config, generation_info, iterate_in_thread
+from ._common import DecodingParameters, build_engine, decoding_config, engine_options, generation_info, iterate_in_thread
 
 __all__ = ["AdaFuseLLM"]
 
 
-class AdaFuseLLM(BaseLLM):
+class AdaFuseLLM(BaseLLM, DecodingParameters):
     """Several local models fused word by word (AdaFuse) behind LangChain's LLM interface.
+
+    Every `FusionConfig` field (tau_delta, max_span_words, num_branches, ...) is a field here too.
 
     Example:
         .. code-block:: python
@@ -36,18 +38,6 @@ class AdaFuseLLM(BaseLLM):
     """An already-built engine to reuse (shares loaded weights between wrappers)."""
     device_map: Any = None
     dtype: Any = None
-    tau_delta: float = 0.7
-    max_span_words: int = 3
-    num_branches: int = 3
-    exploration: str = "topk"
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    fixed_span_words: int | None = None
-    model_weights: list[float] | None = None
-    max_new_tokens: int = 256
-    seed: int = 0
     stop: list[str] | None = None
     """Default stop sequences; a `stop` given to a call replaces them."""
 
@@ -72,8 +62,7 @@ class AdaFuseLLM(BaseLLM):
         return {"models": self.models, **decoding_config(self).to_dict(), "stop": self.stop}
 
     def _run(self, prompts: list[str], stop: list[str] | None, kwargs: dict[str, Any]) -> list[GenerationResult]:
-        options = {**decoding_config(self).to_dict(), **call_options(stop, self.stop, kwargs)}
-        return self.engine.generate(list(prompts), **options)
+        return self.engine.generate(list(prompts), **engine_options(self, stop, kwargs))
 
     def _generate(
         self,
@@ -96,8 +85,7 @@ class AdaFuseLLM(BaseLLM):
         return LLMResult(generations=[[Generation(text=r.text, generation_info=generation_info(r))] for r in results])
 
     def _chunks(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> Iterator[GenerationChunk]:
-        options = {**decoding_config(self).to_dict(), **call_options(stop, self.stop, kwargs)}
-        for piece in self.engine.stream(prompt, **options):
+        for piece in self.engine.stream(prompt, **engine_options(self, stop, kwargs)):
             if isinstance(piece, GenerationResult):
                 yield GenerationChunk(text="", generation_info=generation_info(piece))
             else:

@@ -12,13 +12,15 @@ from llama_index.core.llms.custom import CustomLLM
 from adafuse import AdaFuse
 from adafuse.result import GenerationResult
 
-from ._common import build_engine, call_options, decoding_config, generation_info, iterate_in_thread
+from ._common import DecodingParameters, build_engine, decoding_config, engine_options, generation_info, iterate_in_thread
 
 __all__ = ["AdaFuseLLM"]
 
 
-class AdaFuseLLM(CustomLLM):
+class AdaFuseLLM(CustomLLM, DecodingParameters):
     """Several local models fused word by word (AdaFuse) behind LlamaIndex's LLM interface.
+
+    Every `FusionConfig` field (tau_delta, max_span_words, num_branches, ...) is a field here too.
 
     Example:
         .. code-block:: python
@@ -32,18 +34,6 @@ class AdaFuseLLM(CustomLLM):
     models: list[str] = Field(default_factory=lambda: ["smollm2-135m", "gemma3-270m"], description="model names, ids or folders")
     device_map: Any = Field(default=None, description="accelerate device map, e.g. 'cuda'")
     dtype: Any = Field(default=None, description="torch dtype, e.g. 'bfloat16'")
-    tau_delta: float = Field(default=0.7, description="confidence margin gate")
-    max_span_words: int = Field(default=3, description="most words per round (M)")
-    num_branches: int = Field(default=3, description="exploration branches (B)")
-    exploration: str = Field(default="topk", description="'topk' or 'sample'")
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    fixed_span_words: int | None = None
-    model_weights: list[float] | None = None
-    max_new_tokens: int = Field(default=256, description="tokens to generate at most")
-    seed: int = 0
     stop: list[str] | None = Field(default=None, description="stop sequences")
 
     model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
@@ -77,8 +67,7 @@ class AdaFuseLLM(CustomLLM):
     def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         kwargs = dict(kwargs)
         kwargs.pop("formatted", None)
-        stop = kwargs.pop("stop", None)
-        return {**decoding_config(self).to_dict(), **call_options(stop, self.stop, kwargs)}
+        return engine_options(self, kwargs.pop("stop", None), kwargs)
 
     def _prompt(self, prompt: str, formatted: bool) -> str:
         return prompt if formatted else self.completion_to_prompt(prompt)

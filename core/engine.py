@@ -91,7 +91,7 @@ class AdaFuse:
         single = isinstance(prompt, str) or _is_messages(prompt)
         prompts = [prompt] if single else list(prompt)
         results: list[GenerationResult | None] = [None] * len(prompts)
-        for event in self._decode(prompts, self.config.update(**overrides).validate(len(self.backends)), trace):
+        for event in self._decode(prompts, self._call_config(overrides), trace):
             if isinstance(event, tuple) and isinstance(event[1], GenerationResult):
                 results[event[0]] = event[1]
         return results[0] if single else results
@@ -101,10 +101,13 @@ class AdaFuse:
 
         Text that could be the start of a stop sequence is held back until it is known not to be one.
         """
-        for event in self._decode([prompt], self.config.update(**overrides).validate(len(self.backends)), trace):
+        for event in self._decode([prompt], self._call_config(overrides), trace):
             piece = event[1]
             if isinstance(piece, GenerationResult) or piece:
                 yield piece
+
+    def _call_config(self, overrides: dict[str, Any]) -> FusionConfig:
+        return self.config.update(**overrides).validate(len(self.backends))
 
     # ------------------------------------------------------------------ the loop
     def _decode(self, prompts: list[Prompt], config: FusionConfig, trace: bool) -> Iterator[tuple[int, str | GenerationResult]]:
@@ -130,7 +133,7 @@ class AdaFuse:
                     state, pool = rows[r], pools[position]
                     best = min(range(len(pool)), key=lambda c: scores[position][1][c])
                     chosen = pool[best]
-                    self._record_round(state, position, proposals, pool, scores[position], chosen, config)
+                    self._record_round(state, position, proposals, pool, scores[position], chosen)
                     piece = self._append(state, chosen, config)
                     if piece:
                         yield r, piece
@@ -205,7 +208,7 @@ class AdaFuse:
             results.append((nll, fused))
         return results
 
-    def _record_round(self, state: _RowState, position: int, proposals, pool, scores, chosen: _Candidate, config: FusionConfig) -> None:
+    def _record_round(self, state: _RowState, position: int, proposals, pool, scores, chosen: _Candidate) -> None:
         state.stats.rounds += 1
         state.stats.words_per_round.append(len(chosen.text.split()))
         state.stats.explorations += sum(per_row[position].explored for per_row in proposals)

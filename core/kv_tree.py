@@ -153,27 +153,21 @@ class TreeBatch:
         """Feed, in one forward, whatever tokens of each row's token paths are not yet in its tree."""
         requests: list[list[tuple[int, int]]] = []
         for r, row_paths in enumerate(paths):
-            pending: dict[tuple[int, ...], int] = {}
+            first_new = len(self.rows[r].nodes)  # node index the first token fed now will get
+            planned: dict[tuple[int, ...], int] = {}
             request: list[tuple[int, int]] = []
             for tokens in row_paths:
                 found, start = self.find_path(r, tokens)
-                parent: int | tuple = found[-1] if found else -1
+                parent = found[-1] if found else -1
                 for i in range(start, len(tokens)):
                     key = tuple(tokens[: i + 1])
-                    if key not in pending:
-                        pending[key] = len(request)
+                    if key not in planned:
+                        planned[key] = first_new + len(request)
                         request.append((tokens[i], parent))
-                    parent = ("pending", pending[key])
+                    parent = planned[key]
             requests.append(request)
-        if not any(requests):
-            return
-        # Parents created in this same pass are referenced by request position; resolve them in order.
-        base = [len(row.nodes) for row in self.rows]
-        resolved = [
-            [(token, base[r] + parent[1] if isinstance(parent, tuple) else parent) for token, parent in request]
-            for r, request in enumerate(requests)
-        ]
-        self.feed(resolved)
+        if any(requests):
+            self.feed(requests)
 
     def path_nodes(self, row: int, tokens: list[int]) -> list[int]:
         found, complete = self.find_path(row, tokens)
