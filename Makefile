@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PROMPT ?= Question: who wrote the play Romeo and Juliet?\nAnswer:
+PROMPT ?= Question: What is the capital of France?\nAnswer: Paris\n\nQuestion: Who painted the Mona Lisa?\nAnswer: Leonardo da Vinci\n\nQuestion: Who wrote the play Romeo and Juliet?\nAnswer:
 
 .PHONY: install demo test models clean
 
