@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from adafuse import AdaFuse, FusionConfig
+from adafuse.kv_tree import PromptPrefixCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from naive_adafuse import NaiveAdaFuse  # noqa: E402
@@ -62,17 +63,24 @@ def main() -> None:
     fuser.generate(prompts[0])  # warm-up
 
     print(f"{len(prompts)} NQ questions, max_new_tokens={args.max_new_tokens}, threads={torch.get_num_threads()}")
-    fused, fused_seconds, fused_tokens = [], [], []
-    work = {name: {"forward_passes": 0, "tokens": 0} for name in fuser.model_names}
-    for prompt in tqdm(prompts, desc="adafuse"):
-        result = fuser.generate(prompt)
-        fused.append(result.text)
-        fused_seconds.append(result.stats.wall_time_s)
-        fused_tokens.append(result.stats.new_tokens)
-        for name in work:
-            work[name]["forward_passes"] += result.stats.forward_passes[name]
-            work[name]["tokens"] += result.stats.tokens_processed[name]
-    report("adafuse (engine)", fused_seconds, fused_tokens, work, len(prompts))
+    def run_engine(label: str, reuse_prefix: bool) -> tuple[list[str], list[float], list[int]]:
+        for backend in fuser.backends:
+            backend.prefix_cache = PromptPrefixCache() if reuse_prefix else None
+        texts, seconds, tokens = [], [], []
+        work = {name: {"forward_passes": 0, "tokens": 0} for name in fuser.model_names}
+        for prompt in tqdm(prompts, desc=label):
+            result = fuser.generate(prompt)
+            texts.append(result.text)
+            seconds.append(result.stats.wall_time_s)
+            tokens.append(result.stats.new_tokens)
+            for name in work:
+                work[name]["forward_passes"] += result.stats.forward_passes[name]
+                work[name]["tokens"] += result.stats.tokens_processed[name]
+        report(label, seconds, tokens, work, len(prompts))
+        return texts, seconds, tokens
+
+    cold, cold_seconds, _ = run_engine("adafuse, no prefix reuse", reuse_prefix=False)
+    fused, fused_seconds, fused_tokens = run_engine("adafuse (engine)", reuse_prefix=True)
 
     naive_time = None
     if not args.skip_naive:
@@ -105,14 +113,24 @@ def main() -> None:
     batched = fuser.generate(batch)
     batch_time = time.perf_counter() - started
     one_by_one = sum(fused_seconds[: len(batch)])
+    for backend in fuser.backends:
+        backend.prefix_cache = None
+    started = time.perf_counter()
+    fuser.generate(batch)
+    cold_batch_time = time.perf_counter() - started
+    cold_one_by_one = sum(cold_seconds[: len(batch)])
 
     print("\nfigures")
     if naive_time is not None:
         print(f"  speed-up over naive reference: {naive_time / sum(fused_seconds):.1f}x   answers identical: {agreement:.0%}")
-    print(f"  fused time / sum of single-model generate times (same output tokens): {sum(fused_seconds) / sum(single_seconds.values()):.2f}")
+    singles = sum(single_seconds.values())
+    print(f"  fused time / sum of single-model generate times (same output tokens): {sum(fused_seconds) / singles:.2f} "
+          f"(without prefix reuse: {sum(cold_seconds) / singles:.2f}); answers equal with/without reuse: "
+          f"{sum(a == b for a, b in zip(fused, cold)) / len(prompts):.0%}")
     print(f"  batch of {len(batch)}: {batch_time / len(batch):.3f} s/answer vs {one_by_one / len(batch):.3f} alone "
           f"-> throughput x{one_by_one / batch_time:.2f}; batched answers equal alone: "
           f"{sum(r.text == a for r, a in zip(batched, fused)) / len(batch):.0%}")
+    print(f"  batch of {len(batch)} without prefix reuse: throughput x{cold_one_by_one / cold_batch_time:.2f}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .chat import Message, render_chat
-from .kv_tree import TreeBatch
+from .kv_tree import PromptPrefixCache, TreeBatch
 from .models import load_model
 from .words import word_start_table
 
@@ -22,12 +22,21 @@ _END_OF_TURN_PIECES = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|endoftext
 class ModelBackend:
     """A causal LM prepared for word-level fusion.
 
-    Holds no per-request state: `start()` returns a `TreeBatch`, the KV cache and scratch tree of a batch
-    of prompts, so one backend serves many requests (one at a time per thread).
+    Per-request state lives in the `TreeBatch` that `start()` returns (the KV cache and scratch tree of a
+    batch of prompts); the backend keeps only the KV of the last prompt, reused by prompts that begin the same
+    way. One backend serves many requests, one at a time.
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str | None = None):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        name: str | None = None,
+        *,
+        reuse_prompt_prefix: bool = True,
+    ):
         self.model = model.eval()
+        self.prefix_cache = PromptPrefixCache() if reuse_prompt_prefix else None
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", None) or model.config.model_type
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -40,11 +49,17 @@ class ModelBackend:
 
     @classmethod
     def from_pretrained(
-        cls, name_or_path: str, *, device_map: str | dict | None = None, dtype: str | torch.dtype | None = None, **kwargs: Any
+        cls,
+        name_or_path: str,
+        *,
+        device_map: str | dict | None = None,
+        dtype: str | torch.dtype | None = None,
+        reuse_prompt_prefix: bool = True,
+        **kwargs: Any,
     ) -> "ModelBackend":
         """Load an embedded default model name, a Hugging Face id or a local folder."""
         model, tokenizer = load_model(name_or_path, device_map=device_map, dtype=dtype, **kwargs)
-        return cls(model, tokenizer, name=name_or_path)
+        return cls(model, tokenizer, name=name_or_path, reuse_prompt_prefix=reuse_prompt_prefix)
 
     def _end_token_ids(self) -> list[int]:
         ids = set()
@@ -82,9 +97,9 @@ class ModelBackend:
 
     # ------------------------------------------------------------------ requests
     def start(self, prompts: list[list[int]]) -> TreeBatch:
-        """Encode prompts into a fresh KV cache (one forward pass)."""
+        """Encode prompts into a fresh KV cache (one forward pass; a stored shared prompt prefix is reused)."""
         self._piece_cache.clear()
-        return TreeBatch(self.model, prompts, self.pad_token_id, self.counters)
+        return TreeBatch(self.model, prompts, self.pad_token_id, self.counters, self.prefix_cache)
 
     def end_logprob(self, logprobs: torch.Tensor) -> torch.Tensor:
         """Log-probability of ending the sequence here, over all of this model's end tokens."""

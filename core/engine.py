@@ -66,12 +66,16 @@ class AdaFuse:
         *,
         device_map: str | dict | None = None,
         dtype: str | torch.dtype | None = None,
+        reuse_prompt_prefix: bool = True,
         **config_overrides: Any,
     ) -> "AdaFuse":
         """Load models by embedded name, Hugging Face id or local folder (defaults: the embedded pair)."""
         if isinstance(models, str):
             models = [models]
-        backends = [ModelBackend.from_pretrained(m, device_map=device_map, dtype=dtype) for m in models]
+        backends = [
+            ModelBackend.from_pretrained(m, device_map=device_map, dtype=dtype, reuse_prompt_prefix=reuse_prompt_prefix)
+            for m in models
+        ]
         return cls(backends, (config or FusionConfig()).update(**config_overrides))
 
     @property

@@ -56,3 +56,26 @@ def test_shared_prefix_nodes_are_fed_once(llama_backend):
     batch.ensure_paths([[one, one[:1], one]])
     assert llama_backend.counters["tokens"] - before == len(one)
     assert len(batch.rows[0].nodes) == len(one)
+
+
+def test_shared_prompt_prefix_is_reused_and_exact(llama_backend, gemma_backend):
+    for backend in (llama_backend, gemma_backend):
+        first = backend.encode_prompt(PROMPT * 2)
+        backend.start([first])
+        others = [backend.encode_prompt(PROMPT * 2 + " William"), backend.encode_prompt(PROMPT * 2 + "\nQuestion: who")]
+        shared = backend.prefix_cache.reusable(others)
+        assert shared >= len(first) - 2
+        before = backend.counters["tokens"]
+        batch = backend.start(others)
+        assert backend.counters["tokens"] - before == sum(len(p) for p in others) - 2 * shared
+        span = backend.encode_piece(" Shakespeare")
+        batch.ensure_paths([[span], [span]])
+        for r, prompt in enumerate(others):
+            assert torch.allclose(batch.root_logprobs[r], full_logprobs(backend, prompt), atol=1e-4)
+            node = batch.path_nodes(r, span)[-1]
+            assert torch.allclose(batch.logprobs(r, node), full_logprobs(backend, prompt + span), atol=1e-4)
+
+
+def test_unrelated_prompt_reuses_nothing(llama_backend):
+    llama_backend.start([llama_backend.encode_prompt(PROMPT * 2)])
+    assert llama_backend.prefix_cache.reusable([llama_backend.encode_prompt("The quick brown fox jumps")]) == 0
