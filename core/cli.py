@@ -4,8 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 import time
+from pathlib import Path
 
 from .config import FusionConfig
 from .models import DEFAULT_MODELS, ModelLoadError, cache_dir, prepare_default_models
@@ -69,6 +71,23 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from .benchmarks import BENCHMARKS, benchmark_root
+    from .engine import AdaFuse
+    from .evaluation import Evaluator, expand_methods
+
+    benches = list(BENCHMARKS) if args.bench == "all" else [b.strip() for b in args.bench.split(",") if b.strip()]
+    unknown = [b for b in benches if b not in BENCHMARKS]
+    if unknown:
+        raise ValueError(f"unknown benchmark(s) {unknown}; known: {', '.join(BENCHMARKS)} or all")
+    methods = expand_methods(args.methods, list(args.models))
+    fuser = AdaFuse.from_pretrained(args.models, FusionConfig(seed=args.seed), device_map=args.device_map, dtype=args.dtype)
+    evaluator = Evaluator(fuser, benchmark_root(args.data), Path(args.out), max_new_tokens=args.max_new_tokens)
+    evaluator.run(benches, methods, args.limit, batch_size=args.batch_size)
+    print(evaluator.report(args.invocation))
+    return 0
+
+
 def _models(args: argparse.Namespace) -> int:
     print(f"cache: {cache_dir()}")
     folders = prepare_default_models(args.names or None)
@@ -88,6 +107,20 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--json", action="store_true", help="print the result as JSON")
     _add_decoding_options(generate)
     generate.set_defaults(run=_generate)
+    evaluate = commands.add_parser("eval", help="run methods over the benchmarks and write a report (resumable)")
+    evaluate.add_argument("--bench", default="all", help="comma list of nq, triviaqa, squad, gsm8k, flores_en_de, flores_de_en, or all")
+    evaluate.add_argument("--methods", default="single,adafuse", help="comma list: single, adafuse, adafuse:tau=X, adafuse:B=N, "
+                          "fixed:N, unite, rerank, or the groups ablations, baselines, sweep, all")
+    evaluate.add_argument("--limit", type=int, default=None, help="first N rows of each benchmark")
+    evaluate.add_argument("--out", default="reports/eval", help="folder for predictions.jsonl, report.md and plots")
+    evaluate.add_argument("--data", default=None, help="benchmark folder (default: ../shared/benchmarks)")
+    evaluate.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (1 gives exact per-example times)")
+    evaluate.add_argument("--max-new-tokens", type=int, default=None, help="cap on each benchmark's generation budget")
+    evaluate.add_argument("--models", nargs="+", default=DEFAULT_PAIR)
+    evaluate.add_argument("--seed", type=int, default=0)
+    evaluate.add_argument("--device-map", default=None)
+    evaluate.add_argument("--dtype", default=None)
+    evaluate.set_defaults(run=_eval)
     models = commands.add_parser("models", help="list and prepare (convert once) the embedded default models")
     models.add_argument("names", nargs="*", choices=[*DEFAULT_MODELS, []], help="which ones (default: all)")
     models.set_defaults(run=_models)
@@ -97,10 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.invocation = shlex.join(["adafuse", *(sys.argv[1:] if argv is None else argv)])
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.run(args)
-    except (ModelLoadError, ValueError, TypeError) as error:
+    except (ModelLoadError, ValueError, TypeError, FileNotFoundError) as error:
         print(f"adafuse: error: {error}", file=sys.stderr)
         return 2
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 ExplorationKind = Literal["topk", "sample"]
+FusionUnit = Literal["word", "token"]
 
 __all__ = ["FusionConfig"]
 
@@ -28,6 +29,9 @@ class FusionConfig:
         max_word_tokens: the most tokens one word may take before it is cut (guards runaway words).
         stop: strings that end generation; the text is cut before the first one found.
         seed: seeds sampling exploration.
+        unit: "word" is AdaFuse; "token" is the token-level baseline (UniTE-style): each round pools every
+            model's `token_top_k` next tokens by text and picks the highest mean probability.
+        token_top_k: tokens each model contributes per round in "token" mode.
     """
 
     tau_delta: float = 0.7
@@ -45,6 +49,8 @@ class FusionConfig:
     max_word_tokens: int = 24
     stop: list[str] = field(default_factory=list)
     seed: int = 0
+    unit: FusionUnit = "word"
+    token_top_k: int = 10
 
     def validate(self, num_models: int | None = None) -> "FusionConfig":
         """Raise ValueError naming the first parameter out of range; return self."""
@@ -61,6 +67,8 @@ class FusionConfig:
             ("max_new_tokens", self.max_new_tokens >= 1, "at least 1"),
             ("max_rounds", self.max_rounds is None or self.max_rounds >= 1, "None or at least 1"),
             ("max_word_tokens", self.max_word_tokens >= 1, "at least 1"),
+            ("unit", self.unit in ("word", "token"), "'word' or 'token'"),
+            ("token_top_k", self.token_top_k >= 1, "at least 1"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "a list of non-empty strings"),
         ]
         for name, ok, expected in checks:

@@ -128,10 +128,14 @@ class AdaFuse:
             weights = torch.tensor(config.model_weights or [1.0] * len(self.backends))
             weights = weights / weights.sum()
             while active:
-                budgets = [config.max_new_tokens - rows[r].new_tokens for r in active]
-                proposals = [propose(b, batch, config, budgets, generator) for b, batch in zip(self.backends, batches)]
-                pools = [self._pool(position, proposals) for position in range(len(active))]
-                scores = self._score(batches, pools, weights)
+                if config.unit == "token":
+                    proposals, pools = [], [self._token_pool(batches, position, config) for position in range(len(active))]
+                    scores = [self._token_scores(batches, position, pool, weights) for position, pool in enumerate(pools)]
+                else:
+                    budgets = [config.max_new_tokens - rows[r].new_tokens for r in active]
+                    proposals = [propose(b, batch, config, budgets, generator) for b, batch in zip(self.backends, batches)]
+                    pools = [self._pool(position, proposals) for position in range(len(active))]
+                    scores = self._score(batches, pools, weights)
                 spans: list[list[list[int]] | list[None]] = [[] for _ in self.backends]
                 for position, r in enumerate(active):
                     state, pool = rows[r], pools[position]
@@ -190,6 +194,51 @@ class AdaFuse:
                 if backend.name not in candidate.proposers:
                     candidate.proposers.append(backend.name)
         return list(pool.values())
+
+    def _token_pool(self, batches: list[TreeBatch], position: int, config: FusionConfig) -> list[_Candidate]:
+        """Token-level baseline: every model's top-k next tokens for one row, pooled by their text."""
+        pool: dict[tuple[str, bool], _Candidate] = {}
+        for backend, batch in zip(self.backends, batches):
+            for token in batch.root_logprobs[position].topk(config.token_top_k).indices.tolist():
+                ends = token in backend.end_ids
+                text = "" if ends else backend.decode([token])
+                if text or ends:
+                    candidate = pool.setdefault((text, ends), _Candidate(text, ends, []))
+                    if backend.name not in candidate.proposers:
+                        candidate.proposers.append(backend.name)
+        return list(pool.values())
+
+    def _token_scores(self, batches: list[TreeBatch], position: int, pool: list[_Candidate], weights: torch.Tensor):
+        """Each model's log-probability of each pooled token text (mapped through its own tokenizer's first
+        token), and the fused score: minus the log of the weighted mean probability."""
+        nll = []
+        for candidate in pool:
+            row = []
+            for backend, batch in zip(self.backends, batches):
+                logprobs = batch.root_logprobs[position]
+                tokens = backend.encode_piece(candidate.text)
+                row.append(-float(backend.end_logprob(logprobs) if candidate.ends else logprobs[tokens[0]]))
+            nll.append(row)
+        fused = [-float(torch.log(torch.exp(-torch.tensor(n)) @ weights)) for n in nll]
+        return nll, fused
+
+    def score(self, prompt: Prompt, continuations: list[str]) -> list[list[float]]:
+        """Each model's mean token NLL of each continuation of `prompt` (one row per continuation).
+
+        The sample-level baseline uses this to pick, among whole answers, the one the ensemble finds likeliest.
+        """
+        if any(not text for text in continuations):
+            raise ValueError("continuations to score must be non-empty strings")
+        with self._lock:
+            for backend in self.backends:
+                backend.reset_counters()  # left counting this call's work, for callers that report it
+            batches = self._start([prompt], self.config)
+            per_model = []
+            for backend, batch in zip(self.backends, batches):
+                paths = [backend.encode_piece(text) for text in continuations]
+                batch.ensure_paths([paths])
+                per_model.append([_mean_nll(backend, batch, 0, path, False) for path in paths])
+        return [list(row) for row in zip(*per_model)]
 
     def _score(self, batches: list[TreeBatch], pools: list[list[_Candidate]], weights: torch.Tensor) -> list[tuple[list[list[float]], list[float]]]:
         """Per row: each model's mean token NLL of every candidate, and the weighted fused score.

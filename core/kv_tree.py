@@ -230,13 +230,17 @@ class TreeBatch:
     def path_nodes(self, row: int, tokens: list[int]) -> list[int]:
         found, complete = self.find_path(row, tokens)
         if complete != len(tokens):
-            raise RuntimeError("scratch tree lacks a span that was committed; ensure_paths must run first")
+            raise RuntimeError("scratch tree lacks this token path; ensure_paths must run first")
         return found
 
     # ------------------------------------------------------------------ commit
     @torch.inference_mode()
     def commit(self, spans: list[list[int] | None]) -> None:
-        """Append each row's chosen token span (None drops the row) and discard the scratch trees."""
+        """Append each row's chosen token span (None drops the row) and discard the scratch trees.
+
+        Tokens of a span not yet in its row's tree are run first (usually all of them are, from scoring).
+        """
+        self.ensure_paths([[span] if span else [] for span in spans])
         keep_rows = [r for r, span in enumerate(spans) if span is not None]
         columns, roots = [], []
         for r in keep_rows:

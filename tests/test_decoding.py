@@ -153,3 +153,31 @@ def test_chat_messages_use_each_models_template(pair, llama_backend):
     finally:
         llama_backend.tokenizer.chat_template = None
     assert llama_backend.render(messages) == "User: who wrote Hamlet?\nAssistant:"
+
+
+def test_token_level_baseline_picks_highest_mean_probability(pair):
+    result = pair.generate(PROMPT, unit="token", token_top_k=5, max_new_tokens=4, trace=True)
+    assert result.text and result.stats.rounds >= 1
+    first = result.trace[0]
+    assert 1 < len(first.candidates) <= 10
+    for candidate in first.candidates:
+        probs = []
+        for backend in pair.backends:
+            logprobs = full_logprobs(backend, backend.encode_prompt(PROMPT))
+            tokens = backend.encode_piece(candidate.text)
+            probs.append(float(backend.end_logprob(logprobs).exp() if candidate.ends else logprobs[tokens[0]].exp()))
+        assert candidate.score == pytest.approx(-torch.log(torch.tensor(sum(probs) / 2)).item(), abs=1e-4)
+    assert first.chosen == min(first.candidates, key=lambda c: c.score).text
+
+
+def test_score_gives_each_models_mean_nll_of_whole_answers(pair):
+    answers = [" Paris", " the capital of France"]
+    scores = pair.score(PROMPT, answers)
+    assert len(scores) == 2 and all(len(row) == 2 for row in scores)
+    for row, answer in zip(scores, answers):
+        for value, backend in zip(row, pair.backends):
+            prompt, tokens = backend.encode_prompt(PROMPT), backend.encode_piece(answer)
+            expected = -sum(float(full_logprobs(backend, prompt + tokens[:i])[t]) for i, t in enumerate(tokens)) / len(tokens)
+            assert value == pytest.approx(expected, abs=1e-4)
+    with pytest.raises(ValueError, match="non-empty"):
+        pair.score(PROMPT, [""])

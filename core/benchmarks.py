@@ -1,0 +1,99 @@
+"""The paper's six benchmarks: prompts exactly as in shared/benchmarks/README.md, answer extraction, metrics."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from .metrics import exact_match, first_line_answer, lenient_match
+
+Kind = Literal["qa", "math", "translation"]
+
+__all__ = ["BENCHMARKS", "Benchmark", "benchmark_root", "final_number", "corpus_translation_scores"]
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One benchmark: where its data is, how a prompt is built, when to stop and how to score."""
+
+    name: str
+    kind: Kind
+    max_new_tokens: int
+    stop: tuple[str, ...]
+
+    def load(self, root: Path, limit: int | None = None) -> tuple[str, list[dict]]:
+        """The few-shot prefix and the first `limit` development rows."""
+        folder = root / self.name
+        if not (folder / "dev.jsonl").is_file():
+            raise FileNotFoundError(f"benchmark {self.name!r}: no dev.jsonl under {folder}")
+        with open(folder / "dev.jsonl") as handle:
+            rows = [json.loads(line) for line, _ in zip(handle, range(limit if limit is not None else 10**9))]
+        return (folder / "prompt.txt").read_text(), rows
+
+    def prompt(self, few_shot: str, question: str) -> str:
+        if self.kind == "qa":
+            return f"{few_shot}\n\nQuestion: {question}\nAnswer:"
+        if self.kind == "math":
+            return f"{few_shot}\n\nQuestion: {question}\nLet's think step by step\n"
+        return f"{few_shot}\n{question}\n"
+
+    def extract(self, completion: str) -> str:
+        """The answer a user's parser keeps: cut at a new Question: line or blank line."""
+        answer = first_line_answer(completion)
+        return answer.split("\n", 1)[0].strip() if self.kind == "translation" else answer
+
+    def score_row(self, prediction: str, reference) -> dict[str, float]:
+        """Per-row metrics (translation rows are scored at corpus level instead)."""
+        if self.kind == "qa":
+            return {"accuracy": float(lenient_match(prediction, reference)), "exact_match": float(exact_match(prediction, reference))}
+        if self.kind == "math":
+            gold, predicted = final_number(reference), final_number(prediction)
+            return {"accuracy": float(gold is not None and predicted is not None and abs(gold - predicted) < 1e-6)}
+        return {}
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    b.name: b
+    for b in (
+        Benchmark("nq", "qa", 32, ("\n\n", "\nQuestion:")),
+        Benchmark("triviaqa", "qa", 32, ("\n\n", "\nQuestion:")),
+        Benchmark("squad", "qa", 32, ("\n\n", "\nQuestion:")),
+        Benchmark("gsm8k", "math", 256, ("\n\nQuestion:", "\nQuestion:")),
+        Benchmark("flores_en_de", "translation", 96, ("\n",)),
+        Benchmark("flores_de_en", "translation", 96, ("\n",)),
+    )
+}
+
+_NUMBER = r"-?\d[\d,]*(?:\.\d+)?"
+
+
+def final_number(text: str) -> float | None:
+    """The final numeric answer: \\boxed{N}, else "the answer is N", else the last number in the text."""
+    for pattern in (r"\\boxed\{\s*\$?(" + _NUMBER + r")", r"answer is\s*:?\s*\$?(" + _NUMBER + r")"):
+        found = re.findall(pattern, text, flags=re.IGNORECASE)
+        if found:
+            return float(found[-1].replace(",", ""))
+    numbers = re.findall(_NUMBER, text)
+    return float(numbers[-1].replace(",", "")) if numbers else None
+
+
+def corpus_translation_scores(predictions: list[str], references: list[str]) -> dict[str, float]:
+    """chrF++ and corpus BLEU (13a tokenizer): sacrebleu's flores200 spBLEU tokenizer needs a download."""
+    from sacrebleu.metrics import BLEU, CHRF
+
+    return {
+        "chrf++": CHRF(word_order=2).corpus_score(predictions, [references]).score,
+        "bleu": BLEU().corpus_score(predictions, [references]).score,
+    }
+
+
+def benchmark_root(explicit: str | os.PathLike | None = None) -> Path:
+    """Where the benchmark folders are: the argument, $ADAFUSE_BENCHMARKS, or ../shared/benchmarks."""
+    for candidate in (explicit, os.environ.get("ADAFUSE_BENCHMARKS"), Path.cwd().parent / "shared" / "benchmarks",
+                      Path(__file__).resolve().parents[2] / "shared" / "benchmarks"):
+        if candidate and Path(candidate).is_dir():
+            return Path(candidate)
+    raise FileNotFoundError("benchmark data not found: pass --data or set ADAFUSE_BENCHMARKS (e.g. ../shared/benchmarks)")

@@ -1,0 +1,277 @@
+"""Evaluation harness: methods x benchmarks through one engine, resumable JSONL, Markdown report and plots."""
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from .benchmarks import BENCHMARKS, Benchmark, corpus_translation_scores
+from .config import FusionConfig
+from .engine import AdaFuse
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Evaluator", "expand_methods"]
+
+ABLATIONS = ["adafuse:B=1", "fixed:1", "fixed:2", "fixed:3"]
+BASELINES = ["unite", "rerank"]
+TAU_SWEEP = ["adafuse:tau=0.3", "adafuse:tau=0.5", "adafuse:tau=0.9"]
+
+
+def expand_methods(spec: str, model_names: list[str]) -> list[str]:
+    """Method names from a comma list; `single`, `ablations`, `baselines`, `sweep` and `all` expand."""
+    groups = {
+        "single": [f"single:{name}" for name in model_names],
+        "ablations": ABLATIONS,
+        "baselines": BASELINES,
+        "sweep": TAU_SWEEP,
+    }
+    groups["all"] = [*groups["single"], "adafuse", *ABLATIONS, *BASELINES, *TAU_SWEEP]
+    methods: list[str] = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        for method in groups.get(item, [item]):
+            _method_overrides(method, model_names)  # validates the name
+            if method not in methods:
+                methods.append(method)
+    return methods
+
+
+def _method_overrides(method: str, model_names: list[str]) -> dict[str, Any]:
+    """Engine overrides that implement a method (single models, rerank are handled by the evaluator)."""
+    kind, _, argument = method.partition(":")
+    if kind == "single" and argument in model_names:
+        return {}
+    if kind == "rerank" and not argument:
+        return {}
+    if kind == "unite" and not argument:
+        return {"unit": "token"}
+    if kind == "fixed" and argument.isdigit() and int(argument) >= 1:
+        return {"fixed_span_words": int(argument)}
+    if kind == "adafuse":
+        if not argument:
+            return {}
+        name, _, value = argument.partition("=")
+        try:
+            if name == "tau":
+                return {"tau_delta": float(value)}
+            if name == "B":
+                return {"num_branches": int(value)}
+        except ValueError:
+            pass
+    raise ValueError(
+        f"unknown method {method!r}: use single:<model> ({', '.join(model_names)}), adafuse, adafuse:tau=X, "
+        f"adafuse:B=N, fixed:N, unite, rerank, or the groups single, ablations, baselines, sweep, all"
+    )
+
+
+@dataclass
+class _Outcome:
+    completion: str
+    wall_time_s: float
+    forward_passes: dict[str, int]
+    rounds: int
+    explorations: int
+    words_per_round: list[int]
+
+
+class Evaluator:
+    """Runs methods over benchmarks with the same loaded models and writes `predictions.jsonl` as it goes.
+
+    `max_new_tokens` caps every benchmark's own generation budget (for quick runs).
+    """
+
+    def __init__(self, fuser: AdaFuse, data_root: Path, out_dir: Path, max_new_tokens: int | None = None):
+        self.fuser = fuser
+        self.max_new_tokens = max_new_tokens
+        self.data_root = Path(data_root)
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.predictions = self.out_dir / "predictions.jsonl"
+        self._singles = {b.name: AdaFuse([b], FusionConfig(tau_delta=0.0, num_branches=1)) for b in fuser.backends}
+
+    def done(self) -> set[tuple[str, str, int]]:
+        if not self.predictions.exists():
+            return set()
+        with open(self.predictions) as handle:
+            return {(r["bench"], r["method"], r["index"]) for r in map(json.loads, handle)}
+
+    def run(self, benches: list[str], methods: list[str], limit: int | None, batch_size: int = 1) -> None:
+        unknown = [b for b in benches if b not in BENCHMARKS]
+        if unknown:
+            raise ValueError(f"unknown benchmark(s) {unknown}; known: {sorted(BENCHMARKS)}")
+        done = self.done()
+        for name in benches:
+            bench = BENCHMARKS[name]
+            few_shot, rows = bench.load(self.data_root, limit)
+            for method in methods:
+                todo = [i for i in range(len(rows)) if (name, method, i) not in done]
+                chunks = [todo[i : i + batch_size] for i in range(0, len(todo), batch_size)]
+                for chunk in tqdm(chunks, desc=f"{name} {method}", unit="batch", disable=not chunks):
+                    prompts = [bench.prompt(few_shot, rows[i]["question"]) for i in chunk]
+                    outcomes = self._run_method(method, bench, prompts)
+                    with open(self.predictions, "a") as handle:
+                        for i, outcome in zip(chunk, outcomes):
+                            handle.write(json.dumps(self._record(bench, method, i, rows[i], outcome)) + "\n")
+
+    def _record(self, bench: Benchmark, method: str, index: int, row: dict, outcome: _Outcome) -> dict[str, Any]:
+        prediction = bench.extract(outcome.completion)
+        return {
+            "bench": bench.name, "method": method, "index": index, "completion": outcome.completion,
+            "prediction": prediction, "reference": row["answer"], "metrics": bench.score_row(prediction, row["answer"]),
+            "wall_time_s": outcome.wall_time_s, "forward_passes": outcome.forward_passes, "rounds": outcome.rounds,
+            "explorations": outcome.explorations, "words_per_round": outcome.words_per_round,
+            "models": len(outcome.forward_passes),
+        }
+
+    def _run_method(self, method: str, bench: Benchmark, prompts: list[str]) -> list[_Outcome]:
+        budget = min(bench.max_new_tokens, self.max_new_tokens or bench.max_new_tokens)
+        options = {"max_new_tokens": budget, "stop": list(bench.stop)}
+        if method.startswith("single:"):
+            return _outcomes(self._singles[method.split(":", 1)[1]].generate(prompts, **options))
+        if method == "rerank":
+            return [self._rerank(prompt, options) for prompt in prompts]
+        overrides = _method_overrides(method, self.fuser.model_names)
+        return _outcomes(self.fuser.generate(prompts, **options, **overrides))
+
+    def _rerank(self, prompt: str, options: dict[str, Any]) -> _Outcome:
+        """Sample-level selection: each model answers alone; the answer with the lowest mean NLL across models wins."""
+        answers = [single.generate(prompt, **options) for single in self._singles.values()]
+        passes = {name: r.stats.forward_passes[name] for name, r in zip(self._singles, answers)}
+        seconds = sum(r.stats.wall_time_s for r in answers)
+        texts = list(dict.fromkeys(r.text for r in answers if r.text.strip()))
+        best = ""
+        if texts:
+            scores = self.fuser.score(prompt, texts)
+            best = texts[min(range(len(texts)), key=lambda i: sum(scores[i]))]
+            for backend in self.fuser.backends:
+                passes[backend.name] += backend.reset_counters()["forward_passes"]
+        return _Outcome(best, seconds, passes, 1, 0, [])
+
+    # ------------------------------------------------------------------ report
+    def report(self, command: str) -> Path:
+        """Aggregate the JSONL into report.md and PNG plots; return the report path."""
+        with open(self.predictions) as handle:
+            records = [json.loads(line) for line in handle]
+        groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+        for record in records:
+            groups[(record["bench"], record["method"])].append(record)
+        summary = {key: _summarise(BENCHMARKS[key[0]], rows) for key, rows in groups.items()}
+        lines = [
+            "# AdaFuse evaluation", "", f"Command: `{command}`", "",
+            f"Models: {', '.join(self.fuser.model_names)}. Greedy and deterministic (seed {self.fuser.config.seed}).",
+            "QA accuracy is lenient matching (any accepted answer inside the normalised prediction); EM is strict.",
+            "Translation uses chrF++ and corpus BLEU (sacrebleu 13a tokenizer): the flores200 spBLEU tokenizer needs a "
+            "download, which this machine cannot make.", "",
+        ]
+        for bench in dict.fromkeys(b for b, _ in summary):
+            metric_names = next(s["metrics"] for (b, _), s in summary.items() if b == bench).keys()
+            lines += [f"## {bench}", "", "| method | rows | " + " | ".join(metric_names) +
+                      " | s/example | forward passes/example (per model) | rounds | explored rounds | words/round |",
+                      "|" + "---|" * (len(metric_names) + 7)]
+            for (b, method), s in summary.items():
+                if b != bench:
+                    continue
+                metrics = " | ".join(f"{s['metrics'][m]:.3f}" if m in s["metrics"] else "" for m in metric_names)
+                passes = ", ".join(f"{k}: {v:.1f}" for k, v in s["forward_passes"].items())
+                histogram = " ".join(f"{k}:{v}" for k, v in sorted(s["words_histogram"].items()))
+                lines.append(f"| {method} | {s['rows']} | {metrics} | {s['wall_time_s']:.2f} | {passes} | "
+                             f"{s['rounds']:.1f} | {s['explored_share']:.0%} | {histogram} |")
+            lines.append("")
+        for figure in _plots(summary, self.out_dir):
+            lines += [f"![{figure.stem}]({figure.name})", ""]
+        path = self.out_dir / "report.md"
+        path.write_text("\n".join(lines))
+        (self.out_dir / "summary.json").write_text(json.dumps({f"{b}/{m}": s for (b, m), s in summary.items()}, indent=1))
+        return path
+
+
+def _outcomes(results) -> list[_Outcome]:
+    share = len(results)
+    return [
+        _Outcome(r.text, r.stats.wall_time_s / share, {k: v / share for k, v in r.stats.forward_passes.items()},
+                 r.stats.rounds, r.stats.explorations, r.stats.words_per_round)
+        for r in results
+    ]
+
+
+def _summarise(bench: Benchmark, rows: list[dict]) -> dict[str, Any]:
+    count = len(rows)
+    if bench.kind == "translation":
+        metrics = corpus_translation_scores([r["prediction"] for r in rows], [r["reference"] for r in rows])
+    else:
+        metrics = {name: sum(r["metrics"][name] for r in rows) / count for name in rows[0]["metrics"]}
+    passes: dict[str, float] = defaultdict(float)
+    for r in rows:
+        for model, value in r["forward_passes"].items():
+            passes[model] += value / count
+    rounds = sum(r["rounds"] for r in rows)
+    model_rounds = sum(r["rounds"] * r["models"] for r in rows)
+    return {
+        "rows": count,
+        "metrics": metrics,
+        "primary": next(iter(metrics.values())),
+        "wall_time_s": sum(r["wall_time_s"] for r in rows) / count,
+        "forward_passes": dict(passes),
+        "rounds": rounds / count,
+        "explored_share": sum(r["explorations"] for r in rows) / model_rounds if model_rounds else 0.0,
+        "words_histogram": dict(Counter(w for r in rows for w in r["words_per_round"])),
+    }
+
+
+def _plots(summary: dict[tuple[str, str], dict], out_dir: Path) -> list[Path]:
+    """Accuracy against forward passes per method, the τΔ sweep, and AdaFuse's words-per-round histogram."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    benches = list(dict.fromkeys(b for b, _ in summary))
+    figures = []
+    fig, axes = plt.subplots(1, len(benches), figsize=(4 * len(benches), 3.4), squeeze=False)
+    for axis, bench in zip(axes[0], benches):
+        for (b, method), s in summary.items():
+            if b == bench:
+                axis.scatter(sum(s["forward_passes"].values()), s["primary"])
+                axis.annotate(method, (sum(s["forward_passes"].values()), s["primary"]), fontsize=7)
+        axis.set_title(bench)
+        axis.set_xlabel("forward passes / example (all models)")
+    axes[0][0].set_ylabel("primary metric")
+    fig.tight_layout()
+    figures.append(out_dir / "accuracy_vs_forward_passes.png")
+    fig.savefig(figures[-1], dpi=100)
+    plt.close(fig)
+
+    sweep = {b: sorted((float(m.split("=")[1]) if "tau=" in m else 0.7, s["primary"]) for (bb, m), s in summary.items()
+                       if bb == b and (m == "adafuse" or m.startswith("adafuse:tau="))) for b in benches}
+    if any(len(points) > 1 for points in sweep.values()):
+        fig, axis = plt.subplots(figsize=(5, 3.4))
+        for bench, points in sweep.items():
+            if len(points) > 1:
+                axis.plot(*zip(*points), "o-", label=bench)
+        axis.set_xlabel("τΔ")
+        axis.set_ylabel("primary metric")
+        axis.legend(fontsize=7)
+        fig.tight_layout()
+        figures.append(out_dir / "tau_sweep.png")
+        fig.savefig(figures[-1], dpi=100)
+        plt.close(fig)
+
+    histogram: Counter = Counter()
+    for (_, method), s in summary.items():
+        if method == "adafuse":
+            histogram.update({int(k): v for k, v in s["words_histogram"].items()})
+    if histogram:
+        fig, axis = plt.subplots(figsize=(5, 3.4))
+        axis.bar(list(histogram), list(histogram.values()))
+        axis.set_xlabel("words committed per round (AdaFuse)")
+        axis.set_ylabel("rounds")
+        fig.tight_layout()
+        figures.append(out_dir / "words_per_round.png")
+        fig.savefig(figures[-1], dpi=100)
+        plt.close(fig)
+    return figures
