@@ -105,7 +105,9 @@ def main() -> None:
                                        min_new_tokens=max(length, 1), pad_token_id=backend.pad_token_id)
             seconds.append(time.perf_counter() - started)
         single_seconds[backend.name] = sum(seconds)
-        per_model = {backend.name: {"forward_passes": sum(max(t, 1) for t in fused_tokens), "tokens": 0}}
+        prompt_tokens = sum(len(backend.encode_prompt(p)) for p in prompts)
+        per_model = {backend.name: {"forward_passes": sum(max(t, 1) for t in fused_tokens),
+                                    "tokens": prompt_tokens + sum(max(t, 1) - 1 for t in fused_tokens)}}
         report(f"{backend.name} generate", seconds, fused_tokens, per_model, len(prompts))
 
     batch = prompts[: args.batch_size]

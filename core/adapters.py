@@ -1,0 +1,179 @@
+"""Learned decoding adapters (arXiv 2603.09065): small MLP policies over a frozen model, trained by REINFORCE.
+
+A `SequenceAdapter` maps a prompt embedding and a parallel-sample budget to one of a few decoding
+configurations; a `TokenAdapter` maps a step's hidden state, entropy, top-2 margin and remaining budget to a
+temperature. This module holds the policies and the pieces of their training that do not touch a model:
+greedy-coverage selection of the action set, the REINFORCE loss with a baseline, the filter for prompts
+whose rewards carry no signal, and the mask of confident steps.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+__all__ = [
+    "SamplingChoice",
+    "SequenceAdapter",
+    "TokenAdapter",
+    "confident_step_mask",
+    "greedy_coverage",
+    "informative_prompts",
+    "reinforce_loss",
+]
+
+
+@dataclass(frozen=True)
+class SamplingChoice:
+    """One decoding configuration an adapter can pick; temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+
+def greedy_coverage(rewards: torch.Tensor, size: int) -> list[int]:
+    """Pick `size` configurations (columns) that together solve the most prompts (rows) at best-of-S.
+
+    Each step adds the configuration that newly solves the most prompts, ties broken by total reward.
+    """
+    solved = rewards.bool()
+    covered = torch.zeros(solved.shape[0], dtype=torch.bool)
+    chosen: list[int] = []
+    for _ in range(min(size, solved.shape[1])):
+        gains = (solved & ~covered[:, None]).sum(0).double() + solved.sum(0).double() / (solved.shape[0] + 1)
+        gains[chosen] = -1.0
+        best = int(gains.argmax())
+        chosen.append(best)
+        covered |= solved[:, best]
+    return chosen
+
+
+def informative_prompts(rewards: torch.Tensor) -> torch.Tensor:
+    """Rows whose rewards differ across actions/samples; constant rows give REINFORCE no signal."""
+    flat = rewards.reshape(rewards.shape[0], -1).float()
+    return (flat.max(dim=1).values - flat.min(dim=1).values) > 0
+
+
+def confident_step_mask(max_probs: torch.Tensor, threshold: float = 0.95) -> torch.Tensor:
+    """Steps to learn from: those where the model's top token probability is at most `threshold`."""
+    return max_probs <= threshold
+
+
+def reinforce_loss(action_logprobs: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor | None = None,
+                   baseline: torch.Tensor | float | None = None) -> torch.Tensor:
+    """Policy-gradient loss -(r - b) log π(a), averaged over unmasked entries; b defaults to the mean reward."""
+    rewards = rewards.float()
+    mask = torch.ones_like(rewards, dtype=torch.bool) if mask is None else mask.bool()
+    if baseline is None:
+        baseline = rewards[mask].mean() if mask.any() else 0.0
+    advantage = (rewards - baseline).detach()
+    return -(advantage * action_logprobs * mask).sum() / mask.sum().clamp(min=1)
+
+
+def _mlp(inputs: int, hidden: int, outputs: int) -> nn.Sequential:
+    """The paper's 3-layer MLP policy head."""
+    return nn.Sequential(nn.Linear(inputs, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, outputs))
+
+
+class _Adapter(nn.Module):
+    """Save/load as safetensors weights plus a JSON config that names the frozen base model."""
+
+    kind = ""
+
+    def config(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def save(self, folder: str | Path) -> Path:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(folder / "adapter.safetensors"))
+        (folder / "adapter_config.json").write_text(json.dumps({"kind": self.kind, **self.config()}, indent=1))
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "_Adapter":
+        folder = Path(folder)
+        try:
+            config = json.loads((folder / "adapter_config.json").read_text())
+        except FileNotFoundError as error:
+            raise FileNotFoundError(f"no adapter at {folder}: adapter_config.json is missing") from error
+        if config.pop("kind") != cls.kind:
+            raise ValueError(f"{folder} holds a different kind of adapter, not a {cls.kind} adapter")
+        adapter = cls._from_config(config)
+        adapter.load_state_dict(load_file(str(folder / "adapter.safetensors")))
+        return adapter.eval()
+
+    @classmethod
+    def _from_config(cls, config: dict[str, Any]) -> "_Adapter":
+        return cls(**config)
+
+
+class SequenceAdapter(_Adapter):
+    """Contextual bandit: prompt embedding + sample budget B -> softmax over a set of decoding configurations."""
+
+    kind = "sequence"
+
+    def __init__(self, embed_dim: int, choices: list[SamplingChoice], hidden: int = 128, base_model: str = ""):
+        super().__init__()
+        if not choices:
+            raise ValueError("a SequenceAdapter needs at least one decoding configuration")
+        self.embed_dim, self.hidden, self.base_model = embed_dim, hidden, base_model
+        self.choices = list(choices)
+        self.policy = _mlp(embed_dim + 1, hidden, len(self.choices))
+
+    def forward(self, embeddings: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
+        """Logits over configurations for [n, embed_dim] prompt embeddings and [n] sample budgets."""
+        budget_feature = torch.log2(budgets.float().clamp(min=1))[:, None]
+        return self.policy(torch.cat([embeddings.float(), budget_feature], dim=-1))
+
+    @torch.no_grad()
+    def choose(self, embedding: torch.Tensor, budget: int) -> SamplingChoice:
+        """The most likely configuration for one prompt and budget."""
+        logits = self(embedding[None], torch.tensor([budget]))
+        return self.choices[int(logits.argmax())]
+
+    def config(self) -> dict[str, Any]:
+        return {"embed_dim": self.embed_dim, "hidden": self.hidden, "base_model": self.base_model,
+                "choices": [asdict(c) for c in self.choices]}
+
+    @classmethod
+    def _from_config(cls, config: dict[str, Any]) -> "SequenceAdapter":
+        return cls(**{**config, "choices": [SamplingChoice(**c) for c in config["choices"]]})
+
+
+class TokenAdapter(_Adapter):
+    """POMDP policy: per step, hidden state (projected) + entropy + top-2 margin + remaining budget -> temperature."""
+
+    kind = "token"
+
+    def __init__(self, hidden_size: int, temperatures: tuple[float, ...] = (0.0, 0.3, 0.7, 1.0),
+                 projection: int = 64, hidden: int = 64, base_model: str = ""):
+        super().__init__()
+        self.hidden_size, self.projection_size, self.hidden, self.base_model = hidden_size, projection, hidden, base_model
+        self.temperatures = tuple(float(t) for t in temperatures)
+        self.project = nn.Linear(hidden_size, projection)
+        self.policy = _mlp(projection + 3, hidden, len(self.temperatures))
+
+    @staticmethod
+    def step_features(logprobs: torch.Tensor, remaining_fraction: torch.Tensor) -> torch.Tensor:
+        """Entropy (normalised by log V), top-2 margin and remaining token budget (0..1) of [n, V] log-probs."""
+        probs = logprobs.exp()
+        entropy = -(probs * logprobs).sum(-1) / math.log(logprobs.shape[-1])
+        top = probs.topk(2, dim=-1).values
+        return torch.stack([entropy, top[:, 0] - top[:, 1], remaining_fraction.float()], dim=-1)
+
+    def forward(self, hidden_states: torch.Tensor, step_features: torch.Tensor) -> torch.Tensor:
+        """Logits over temperatures for [n, hidden_size] states and [n, 3] step features."""
+        return self.policy(torch.cat([torch.tanh(self.project(hidden_states.float())), step_features], dim=-1))
+
+    def config(self) -> dict[str, Any]:
+        return {"hidden_size": self.hidden_size, "temperatures": list(self.temperatures), "projection": self.projection_size,
+                "hidden": self.hidden, "base_model": self.base_model}
