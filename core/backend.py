@@ -96,10 +96,10 @@ class ModelBackend:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     # ------------------------------------------------------------------ requests
-    def start(self, prompts: list[list[int]]) -> TreeBatch:
+    def start(self, prompts: list[list[int]], keep_hidden: bool = False) -> TreeBatch:
         """Encode prompts into a fresh KV cache (one forward pass; a stored shared prompt prefix is reused)."""
         self._piece_cache.clear()
-        return TreeBatch(self.model, prompts, self.pad_token_id, self.counters, self.prefix_cache)
+        return TreeBatch(self.model, prompts, self.pad_token_id, self.counters, self.prefix_cache, keep_hidden)
 
     def end_logprob(self, logprobs: torch.Tensor) -> torch.Tensor:
         """Log-probability of ending the sequence here, over all of this model's end tokens."""

@@ -88,6 +88,33 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_adapter(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from .adapters import TokenAdapter
+    from .adaptive import arithmetic_tasks, train_token_adapter
+    from .backend import ModelBackend
+
+    if args.task != "arithmetic":
+        raise ValueError(f"unknown task {args.task!r}: the trainer ships with 'arithmetic' (generated sums)")
+    backend = ModelBackend.from_pretrained(args.model, device_map=args.device_map, dtype=args.dtype)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    adapter = TokenAdapter(backend.model.config.get_text_config().hidden_size, base_model=args.model)
+    torch.manual_seed(args.seed)
+    history = train_token_adapter(backend, adapter, arithmetic_tasks(args.train_prompts, seed=args.seed),
+                                  steps=args.steps, prompts_per_step=args.prompts_per_step,
+                                  samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens,
+                                  learning_rate=args.learning_rate, checkpoint=out / "checkpoint.pt", seed=args.seed)
+    adapter.save(out)
+    (out / "training.json").write_text(json.dumps({"command": args.invocation, "task": args.task, "history": history}, indent=1))
+    print(f"saved {out} after {len(history)} steps; mean reward of the last 10: "
+          f"{sum(h['reward'] for h in history[-10:]) / max(1, len(history[-10:])):.3f}")
+    return 0
+
+
 def _models(args: argparse.Namespace) -> int:
     print(f"cache: {cache_dir()}")
     folders = prepare_default_models(args.names or None)
@@ -121,6 +148,20 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--device-map", default=None)
     evaluate.add_argument("--dtype", default=None)
     evaluate.set_defaults(run=_eval)
+    train = commands.add_parser("train-adapter", help="train a token-level decoding adapter with REINFORCE (resumable)")
+    train.add_argument("--model", default="smollm2-135m")
+    train.add_argument("--task", default="arithmetic")
+    train.add_argument("--steps", type=int, default=60)
+    train.add_argument("--prompts-per-step", type=int, default=8)
+    train.add_argument("--samples", type=int, default=4, help="samples per prompt (the per-prompt baseline)")
+    train.add_argument("--train-prompts", type=int, default=400)
+    train.add_argument("--max-new-tokens", type=int, default=4)
+    train.add_argument("--learning-rate", type=float, default=3e-3)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--out", default="adapters/token")
+    train.add_argument("--device-map", default=None)
+    train.add_argument("--dtype", default=None)
+    train.set_defaults(run=_train_adapter)
     models = commands.add_parser("models", help="list and prepare (convert once) the embedded default models")
     models.add_argument("names", nargs="*", choices=[*DEFAULT_MODELS, []], help="which ones (default: all)")
     models.set_defaults(run=_models)

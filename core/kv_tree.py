@@ -59,6 +59,7 @@ class _Row:
     nodes: list[Node] = field(default_factory=list)
     children: dict[tuple[int, int], int] = field(default_factory=dict)
     node_logprobs: list[torch.Tensor] = field(default_factory=list)
+    node_hidden: list[torch.Tensor] = field(default_factory=list)
 
 
 class TreeBatch:
@@ -75,9 +76,12 @@ class TreeBatch:
         pad_token_id: int,
         counters: dict[str, int],
         prefix_cache: PromptPrefixCache | None = None,
+        keep_hidden: bool = False,
     ):
         self.model = model
         self.prefix_cache = prefix_cache
+        self.keep_hidden = keep_hidden  # final-layer states, for policies that read them (TokenAdapter)
+        self._hidden: torch.Tensor | None = None
         self.pad_token_id = pad_token_id
         self.counters = counters
         self.device = model.device
@@ -110,6 +114,7 @@ class TreeBatch:
             attention = self._attention_masks(allowed, positions[:, reused:], positions.to(self.device))
         logits = self._run(input_ids, attention, positions[:, reused:], logits_to_keep=1)
         self.root_logprobs = list(torch.log_softmax(logits[:, -1].float(), dim=-1))
+        self.root_hidden = list(self._hidden[:, -1]) if self.keep_hidden else []
         self.column_positions = positions.to(self.device)
         self.committed = mask.bool().to(self.device)
         self.counters["tokens"] += sum(len(s) for s in suffixes)
@@ -132,8 +137,11 @@ class TreeBatch:
             position_ids=positions.to(self.device),
             use_cache=True,
             logits_to_keep=logits_to_keep,
+            output_hidden_states=self.keep_hidden,
             **{_cache_argument(self.model): self.cache},
         )
+        if self.keep_hidden:
+            self._hidden = output.hidden_states[-1]
         self.counters["forward_passes"] += 1
         return output.logits
 
@@ -168,6 +176,8 @@ class TreeBatch:
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         for r, nodes in enumerate(created):
             self.rows[r].node_logprobs.extend(logprobs[r, : len(nodes)])
+            if self.keep_hidden:
+                self.rows[r].node_hidden.extend(self._hidden[r, : len(nodes)])
         self.column_positions = column_positions
         self.committed = torch.cat([self.committed, torch.zeros((batch, width), dtype=torch.bool, device=self.device)], 1)
         self.counters["tokens"] += sum(len(r) for r in requests)
@@ -242,13 +252,15 @@ class TreeBatch:
         """
         self.ensure_paths([[span] if span else [] for span in spans])
         keep_rows = [r for r, span in enumerate(spans) if span is not None]
-        columns, roots = [], []
+        columns, roots, hidden = [], [], []
         for r in keep_rows:
             nodes = self.path_nodes(r, spans[r])
             row = self.rows[r]
             committed_columns = self.committed[r].nonzero().flatten().tolist()
             columns.append(committed_columns + [row.nodes[n].column for n in nodes])
             roots.append(row.node_logprobs[nodes[-1]] if nodes else self.root_logprobs[r])
+            if self.keep_hidden:
+                hidden.append(row.node_hidden[nodes[-1]] if nodes else self.root_hidden[r])
             row.ids.extend(spans[r])
         width = max((len(c) for c in columns), default=0)
         index = torch.zeros((len(keep_rows), width), dtype=torch.long)
@@ -268,8 +280,8 @@ class TreeBatch:
         self.column_positions = (committed.long().cumsum(-1) - 1).clamp(min=0).to(self.device)
         self.rows = [self.rows[r] for r in keep_rows]
         for row in self.rows:
-            row.nodes, row.children, row.node_logprobs = [], {}, []
-        self.root_logprobs = roots
+            row.nodes, row.children, row.node_logprobs, row.node_hidden = [], {}, [], []
+        self.root_logprobs, self.root_hidden = roots, hidden
 
 
 def _cache_argument(model: PreTrainedModel) -> str:

@@ -75,3 +75,43 @@ def test_token_step_features_are_bounded():
     features = TokenAdapter.step_features(logprobs, torch.linspace(0, 1, 5))
     assert features.shape == (5, 3)
     assert ((features >= 0) & (features <= 1)).all()
+
+
+def test_token_adapter_runs_inside_generation(llama_backend):
+    from adafuse.adaptive import AdaptiveSampler
+
+    adapter = TokenAdapter(llama_backend.model.config.hidden_size, projection=8, hidden=16)
+    prompts = ["Question: who wrote Hamlet?\nAnswer:", "The quick brown fox"]
+    rollouts = AdaptiveSampler(llama_backend, adapter).sample(prompts, max_new_tokens=5, generator=torch.Generator().manual_seed(0), explore=True)
+    assert len(rollouts) == 2
+    for rollout in rollouts:
+        assert 1 <= len(rollout.actions) <= 5 and all(0 <= a < 4 for a in rollout.actions)
+        assert len(rollout.hidden) == len(rollout.features) == len(rollout.actions)
+
+
+def test_greedy_sampler_matches_greedy_fusion_of_one_model(llama_backend):
+    from adafuse import AdaFuse, FusionConfig
+    from adafuse.adaptive import AdaptiveSampler
+
+    prompt = "Question: who wrote Hamlet?\nAnswer:"
+    sampled = AdaptiveSampler(llama_backend).sample([prompt], max_new_tokens=6)[0]
+    fused = AdaFuse([llama_backend], FusionConfig(tau_delta=0.0, num_branches=1, max_new_tokens=6)).generate(prompt)
+    assert sampled.text == fused.text
+
+
+def test_training_a_few_steps_runs_and_resumes(llama_backend, tmp_path):
+    from adafuse.adaptive import Task, train_token_adapter
+
+    adapter = TokenAdapter(llama_backend.model.config.hidden_size, projection=8, hidden=16)
+    tasks = [Task("Question: who wrote Hamlet?\nAnswer:", lambda text: len(text) % 2 == 0),
+             Task("The quick brown fox", lambda text: len(text) % 2 == 0)]
+    before = [p.detach().clone() for p in adapter.parameters()]
+    checkpoint = tmp_path / "checkpoint.pt"
+    history = train_token_adapter(llama_backend, adapter, tasks, steps=2, prompts_per_step=2, samples_per_prompt=3,
+                                  max_new_tokens=4, checkpoint=checkpoint)
+    assert [h["step"] for h in history] == [1, 2] and checkpoint.exists()
+    assert any(h["informative_prompts"] > 0 and h["loss"] != 0 for h in history)
+    assert any(not torch.equal(a, b) for a, b in zip(before, adapter.parameters()))
+    resumed = train_token_adapter(llama_backend, adapter, tasks, steps=3, prompts_per_step=2, samples_per_prompt=3,
+                                  max_new_tokens=4, checkpoint=checkpoint)
+    assert [h["step"] for h in resumed] == [1, 2, 3]

@@ -1,0 +1,195 @@
+"""Single-model sampling whose temperature is chosen per step by a TokenAdapter, and its REINFORCE training.
+
+The sampler runs on the same KV-tree core as AdaFuse (batched rows, prompt-prefix reuse, exact masks).
+"""
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .adapters import SamplingChoice, TokenAdapter, confident_step_mask, informative_prompts, reinforce_loss
+from .backend import ModelBackend
+from .sampling import filtered_probs
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AdaptiveSampler", "Rollout", "Task", "arithmetic_tasks", "train_token_adapter"]
+
+GREEDY = SamplingChoice()
+
+
+@dataclass
+class Rollout:
+    """One sampled completion and, for training, what the policy saw and did at each step."""
+
+    text: str
+    finish_reason: str
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    features: list[torch.Tensor] = field(default_factory=list)
+    actions: list[int] = field(default_factory=list)
+    max_probs: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Task:
+    """A prompt with a checkable answer: `check(completion)` is the verifiable reward."""
+
+    prompt: str
+    check: Callable[[str], bool]
+
+
+class AdaptiveSampler:
+    """Decode a batch of prompts with one model, sampling each step at a fixed or adapter-chosen temperature."""
+
+    def __init__(self, backend: ModelBackend, adapter: TokenAdapter | None = None):
+        self.backend, self.adapter = backend, adapter
+
+    @torch.inference_mode()
+    def sample(self, prompts: list[str], *, choice: SamplingChoice = GREEDY, max_new_tokens: int = 64,
+               stop: tuple[str, ...] = (), generator: torch.Generator | None = None, explore: bool = False) -> list[Rollout]:
+        """With an adapter, its policy picks each step's temperature (sampled when `explore`, else argmax)."""
+        backend = self.backend
+        batch = backend.start([backend.encode_prompt(p) for p in prompts], keep_hidden=self.adapter is not None)
+        rollouts = [Rollout("", "length") for _ in prompts]
+        generated: list[list[int]] = [[] for _ in prompts]
+        active = list(range(len(prompts)))
+        for step in range(max_new_tokens):
+            logprobs = torch.stack(batch.root_logprobs)
+            temperatures = self._temperatures(batch, logprobs, 1 - step / max_new_tokens, [rollouts[r] for r in active], explore, generator, choice)
+            spans: list[list[int] | None] = []
+            for position, r in enumerate(active):
+                token = self._pick(logprobs[position], temperatures[position], choice, generator)
+                rollout = rollouts[r]
+                rollout.max_probs.append(float(logprobs[position].max().exp()))
+                if token in backend.end_ids:
+                    rollout.finish_reason = "eos"
+                else:
+                    generated[r].append(token)
+                    rollout.text = backend.decode(generated[r])
+                    hits = [i for i in (rollout.text.find(s) for s in stop) if i >= 0]
+                    if hits:
+                        rollout.text, rollout.finish_reason = rollout.text[: min(hits)], "stop"
+                done = rollout.finish_reason != "length" or step == max_new_tokens - 1
+                spans.append(None if done else [token])
+            batch.commit(spans)
+            active = [r for r, span in zip(active, spans) if span is not None]
+            if not active:
+                break
+        return rollouts
+
+    def _temperatures(self, batch, logprobs, remaining: float, rollouts: list[Rollout], explore: bool,
+                      generator: torch.Generator | None, choice: SamplingChoice) -> list[float]:
+        if self.adapter is None:
+            return [choice.temperature] * len(rollouts)
+        hidden = torch.stack(batch.root_hidden).float()
+        features = TokenAdapter.step_features(logprobs, torch.full((len(rollouts),), remaining))
+        policy = torch.softmax(self.adapter(hidden, features), dim=-1)
+        actions = torch.multinomial(policy, 1, generator=generator).flatten() if explore else policy.argmax(-1)
+        for rollout, state, feature, action in zip(rollouts, hidden, features, actions.tolist()):
+            rollout.hidden.append(state)
+            rollout.features.append(feature)
+            rollout.actions.append(action)
+        return [self.adapter.temperatures[a] for a in actions.tolist()]
+
+    @staticmethod
+    def _pick(logprobs: torch.Tensor, temperature: float, choice: SamplingChoice, generator: torch.Generator | None) -> int:
+        if temperature <= 0:
+            return int(logprobs.argmax())
+        settings = SamplingChoice(temperature, choice.top_k, choice.top_p, choice.min_p)
+        return int(torch.multinomial(filtered_probs(logprobs, settings), 1, generator=generator))
+
+
+def arithmetic_tasks(count: int, seed: int = 0) -> list[Task]:
+    """Generated one-step sums and differences with known answers: a reward the tiny default models can earn."""
+    rng = random.Random(seed)
+    shots = "Question: What is 3 + 4?\nAnswer: 7\n\nQuestion: What is 9 - 5?\nAnswer: 4\n\n" \
+            "Question: What is 6 + 2?\nAnswer: 8\n\nQuestion: What is 8 - 6?\nAnswer: 2\n\n"
+    tasks = []
+    for _ in range(count):
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        if rng.random() < 0.5:
+            question, answer = f"What is {a} + {b}?", a + b
+        else:
+            question, answer = f"What is {a + b} - {b}?", a
+        tasks.append(Task(f"{shots}Question: {question}\nAnswer:", _number_check(answer)))
+    return tasks
+
+
+def _number_check(answer: float) -> Callable[[str], bool]:
+    from .benchmarks import final_number
+
+    def check(completion: str) -> bool:
+        found = final_number(completion.split("\n")[0] if completion.strip() else completion)
+        return found is not None and abs(found - answer) < 1e-6
+
+    return check
+
+
+def train_token_adapter(
+    backend: ModelBackend,
+    adapter: TokenAdapter,
+    tasks: list[Task],
+    *,
+    steps: int = 50,
+    prompts_per_step: int = 4,
+    samples_per_prompt: int = 4,
+    max_new_tokens: int = 8,
+    learning_rate: float = 3e-3,
+    checkpoint: Path | None = None,
+    seed: int = 0,
+) -> list[dict[str, float]]:
+    """REINFORCE on the terminal reward, with a per-prompt mean baseline; prompts whose rewards are all equal
+    are skipped, and steps where the model's top token has probability above 0.95 are masked out.
+    A checkpoint (adapter + optimizer + step) is written every step and resumed from when present.
+    """
+    optimizer = torch.optim.Adam(adapter.parameters(), lr=learning_rate)
+    start, history = 0, []
+    if checkpoint is not None and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        adapter.load_state_dict(state["adapter"])
+        optimizer.load_state_dict(state["optimizer"])
+        start, history = state["step"], state["history"]
+    sampler = AdaptiveSampler(backend, adapter)
+    generator = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    for step in tqdm(range(start, steps), desc="train token adapter", initial=start, total=steps):
+        chosen = [tasks[rng.randrange(len(tasks))] for _ in range(prompts_per_step)]
+        prompts = [task.prompt for task in chosen for _ in range(samples_per_prompt)]
+        adapter.eval()
+        rollouts = sampler.sample(prompts, max_new_tokens=max_new_tokens, stop=("\n",), generator=generator, explore=True)
+        rewards = torch.tensor([float(task.check(r.text)) for task, r in zip(
+            (t for t in chosen for _ in range(samples_per_prompt)), rollouts)]).view(prompts_per_step, samples_per_prompt)
+        useful = informative_prompts(rewards)
+        record = {"step": step + 1, "reward": float(rewards.mean()), "informative_prompts": int(useful.sum()), "loss": 0.0}
+        if useful.any():
+            adapter.train()
+            losses = []
+            for p in useful.nonzero().flatten().tolist():
+                for k in range(samples_per_prompt):
+                    rollout = rollouts[p * samples_per_prompt + k]
+                    if not rollout.actions:
+                        continue
+                    # clone(): sampling ran under inference_mode, whose tensors autograd cannot save
+                    logits = adapter(torch.stack(rollout.hidden).clone(), torch.stack(rollout.features).clone())
+                    action_logprobs = torch.log_softmax(logits, -1)[torch.arange(len(rollout.actions)), torch.tensor(rollout.actions)]
+                    mask = confident_step_mask(torch.tensor(rollout.max_probs[: len(rollout.actions)]))
+                    reward = torch.full((len(rollout.actions),), float(rewards[p, k]))
+                    losses.append(reinforce_loss(action_logprobs, reward, mask, baseline=rewards[p].mean()))
+            if losses:
+                loss = torch.stack(losses).mean()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                record["loss"] = float(loss.detach())
+        history.append(record)
+        if checkpoint is not None:
+            torch.save({"adapter": adapter.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
+                        "history": history}, checkpoint)
+    adapter.eval()
+    return history
