@@ -1,9 +1,12 @@
-"""Token-level decoding adapter against static decoding, on held-aside generated arithmetic problems.
+"""Learned decoding adapters against static decoding, on held-aside generated arithmetic problems.
 
-    python benchmarks/bench_adapters.py --adapter core/adapter_weights/smollm2-135m-token-arithmetic --limit 200
+    python benchmarks/bench_adapters.py --adapter core/adapter_weights/smollm2-135m-token-arithmetic \
+        --sequence-adapter core/adapter_weights/smollm2-135m-sequence-arithmetic --limit 200
 
-Pass@1 (one sample per problem, the same token budget for every method) of greedy decoding, fixed
-temperatures, and the adapter choosing a temperature per step (argmax of its policy).
+Token level: Pass@1 (one sample per problem, the same token budget for every method) of greedy decoding,
+fixed temperatures, and the adapter choosing a temperature per step (argmax of its policy).
+Sequence level: accuracy of the majority vote over B samples, B = 1, 4, 8, for each static configuration of
+the adapter's action set and for the adapter's per-prompt choice.
 """
 from __future__ import annotations
 
@@ -13,13 +16,14 @@ import time
 import torch
 
 from adafuse import ModelBackend
-from adafuse.adapters import SamplingChoice, TokenAdapter
-from adafuse.adaptive import AdaptiveSampler, arithmetic_tasks
+from adafuse.adapters import SamplingChoice, SequenceAdapter, TokenAdapter
+from adafuse.adaptive import AdaptiveSampler, arithmetic_tasks, best_of, prompt_embeddings
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--adapter", required=True)
+    parser.add_argument("--adapter", required=True, help="token adapter folder")
+    parser.add_argument("--sequence-adapter", default=None, help="sequence adapter folder")
     parser.add_argument("--limit", type=int, default=200)
     parser.add_argument("--max-new-tokens", type=int, default=4)
     parser.add_argument("--seed", type=int, default=12345, help="held-aside problems (training used seed 0)")
@@ -43,6 +47,34 @@ def main() -> None:
             shares = torch.bincount(actions, minlength=len(policy.temperatures)) / max(1, len(actions))
             usage = "  temperatures chosen: " + ", ".join(f"{t}: {s:.0%}" for t, s in zip(policy.temperatures, shares.tolist()))
         print(f"{name:<16} Pass@1 {accuracy:.3f}  ({time.perf_counter() - started:.1f} s){usage}")
+    if args.sequence_adapter:
+        compare_sequence_adapter(SequenceAdapter.load(args.sequence_adapter), backend, tasks, args)
+
+
+def compare_sequence_adapter(adapter: SequenceAdapter, backend: ModelBackend, tasks, args) -> None:
+    sampler = AdaptiveSampler(backend)
+    embeddings = prompt_embeddings(backend, [task.prompt for task in tasks])
+    print("\nsequence level: majority vote over B samples")
+    for budget in (1, 4, 8):
+        generator = torch.Generator().manual_seed(args.seed + budget)
+        static = {choice: sum(best_of(sampler, tasks, choice, budget, args.max_new_tokens, generator)) / len(tasks)
+                  for choice in adapter.choices}
+        picks = [adapter.choose(e, budget) for e in embeddings]
+        solved = 0
+        for choice in set(picks):
+            group = [task for task, pick in zip(tasks, picks) if pick == choice]
+            solved += sum(best_of(sampler, group, choice, budget, args.max_new_tokens, generator))
+        best = max(static, key=static.get)
+        shares = ", ".join(f"{_label(c)}: {picks.count(c) / len(picks):.0%}" for c in adapter.choices)
+        print(f"B={budget}: best static {_label(best)} {static[best]:.3f}; adapter {solved / len(tasks):.3f}  (adapter picks {shares})")
+
+
+def _label(choice: SamplingChoice) -> str:
+    if choice.temperature == 0:
+        return "greedy"
+    extras = [f"{k}={v}" for k, v in (("top_k", choice.top_k), ("top_p", choice.top_p), ("min_p", choice.min_p))
+              if v != SamplingChoice.__dataclass_fields__[k].default]
+    return "T=" + str(choice.temperature) + ("," + ",".join(extras) if extras else "")
 
 
 if __name__ == "__main__":

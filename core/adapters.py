@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 __all__ = [
+    "SHIPPED",
     "SamplingChoice",
     "SequenceAdapter",
     "TokenAdapter",
@@ -27,6 +28,10 @@ __all__ = [
     "informative_prompts",
     "reinforce_loss",
 ]
+
+
+SHIPPED = Path(__file__).resolve().parent / "adapter_weights"
+"""Adapters trained for the embedded default models, shipped with the package (see each training.json)."""
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .adapters import SamplingChoice, TokenAdapter, confident_step_mask, informative_prompts, reinforce_loss
+from .adapters import SamplingChoice, SequenceAdapter, TokenAdapter, confident_step_mask, informative_prompts, reinforce_loss
 from .backend import ModelBackend
 from .sampling import filtered_probs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AdaptiveSampler", "Rollout", "Task", "arithmetic_tasks", "train_token_adapter"]
+__all__ = [
+    "AdaptiveSampler", "CANDIDATE_CHOICES", "Rollout", "Task", "arithmetic_tasks", "best_of", "majority_answer",
+    "prompt_embeddings", "reward_table", "train_sequence_adapter", "train_token_adapter",
+]
 
 GREEDY = SamplingChoice()
 
@@ -191,5 +194,82 @@ def train_token_adapter(
         if checkpoint is not None:
             torch.save({"adapter": adapter.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
                         "history": history}, checkpoint)
+    adapter.eval()
+    return history
+
+
+CANDIDATE_CHOICES = (
+    SamplingChoice(),
+    SamplingChoice(temperature=0.3),
+    SamplingChoice(temperature=0.7),
+    SamplingChoice(temperature=1.0),
+    SamplingChoice(temperature=0.7, top_k=20),
+    SamplingChoice(temperature=1.0, top_p=0.9),
+    SamplingChoice(temperature=1.0, min_p=0.1),
+    SamplingChoice(temperature=1.3, top_k=40),
+)
+
+
+@torch.inference_mode()
+def prompt_embeddings(backend: ModelBackend, prompts: list[str]) -> torch.Tensor:
+    """Mean-pooled final hidden state of each prompt under the frozen model: the sequence adapter's context."""
+    embeddings = []
+    for prompt in prompts:
+        ids = torch.tensor([backend.encode_prompt(prompt)], device=backend.model.device)
+        hidden = backend.model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+        embeddings.append(hidden[0].float().mean(0).cpu())
+    return torch.stack(embeddings)
+
+
+def majority_answer(completions: list[str]) -> str:
+    """The most frequent first-line answer among parallel samples (earliest wins ties)."""
+    answers = [c.strip().split("\n")[0].strip() for c in completions]
+    counts = {a: answers.count(a) for a in answers}
+    return max(answers, key=lambda a: counts[a]) if answers else ""
+
+
+def best_of(sampler: AdaptiveSampler, tasks: list[Task], choice: SamplingChoice, budget: int, max_new_tokens: int,
+            generator: torch.Generator) -> list[bool]:
+    """Draw `budget` samples per task with one configuration, majority-vote, and check each voted answer."""
+    prompts = [task.prompt for task in tasks for _ in range(budget)]
+    rollouts = sampler.sample(prompts, choice=choice, max_new_tokens=max_new_tokens, stop=("\n",), generator=generator)
+    return [task.check(majority_answer([r.text for r in rollouts[i * budget:(i + 1) * budget]])) for i, task in enumerate(tasks)]
+
+
+def reward_table(backend: ModelBackend, tasks: list[Task], choices: list[SamplingChoice], budget: int,
+                 max_new_tokens: int, seed: int = 0) -> torch.Tensor:
+    """[tasks, choices] 0/1 rewards of best-of-`budget` majority voting with each configuration."""
+    sampler, generator = AdaptiveSampler(backend), torch.Generator().manual_seed(seed)
+    columns = [best_of(sampler, tasks, c, budget, max_new_tokens, generator) for c in tqdm(choices, desc=f"rewards B={budget}")]
+    return torch.tensor(columns, dtype=torch.float).T
+
+
+def train_sequence_adapter(adapter: SequenceAdapter, embeddings: torch.Tensor, rewards: dict[int, torch.Tensor], *,
+                           steps: int = 300, learning_rate: float = 3e-3, samples: int = 8, seed: int = 0) -> list[dict[str, float]]:
+    """REINFORCE for the contextual bandit: sample configurations for each (prompt, budget), reward from the
+    table, per-prompt mean baseline; prompts whose rewards are equal for every configuration are skipped."""
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.Adam(adapter.parameters(), lr=learning_rate)
+    history = []
+    adapter.train()
+    for step in range(steps):
+        losses, earned = [], []
+        for budget, table in rewards.items():
+            useful = informative_prompts(table)
+            if not useful.any():
+                continue
+            logits = adapter(embeddings[useful], torch.full((int(useful.sum()),), budget))
+            actions = torch.multinomial(torch.softmax(logits.detach(), -1), samples, replacement=True, generator=generator)
+            chosen = table[useful].gather(1, actions)
+            logprobs = torch.log_softmax(logits, -1).gather(1, actions)
+            losses.append(reinforce_loss(logprobs, chosen, baseline=chosen.mean(1, keepdim=True)))
+            earned.append(float(chosen.mean()))
+        if not losses:
+            break
+        loss = torch.stack(losses).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        history.append({"step": step + 1, "loss": float(loss.detach()), "reward": sum(earned) / len(earned)})
     adapter.eval()
     return history

@@ -93,8 +93,10 @@ def _train_adapter(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .adapters import TokenAdapter
-    from .adaptive import arithmetic_tasks, train_token_adapter
+    from .adapters import SequenceAdapter, TokenAdapter, greedy_coverage
+    from .adaptive import (
+        CANDIDATE_CHOICES, arithmetic_tasks, prompt_embeddings, reward_table, train_sequence_adapter, train_token_adapter,
+    )
     from .backend import ModelBackend
 
     if args.task != "arithmetic":
@@ -102,12 +104,22 @@ def _train_adapter(args: argparse.Namespace) -> int:
     backend = ModelBackend.from_pretrained(args.model, device_map=args.device_map, dtype=args.dtype)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    adapter = TokenAdapter(backend.model.config.get_text_config().hidden_size, base_model=args.model)
     torch.manual_seed(args.seed)
-    history = train_token_adapter(backend, adapter, arithmetic_tasks(args.train_prompts, seed=args.seed),
-                                  steps=args.steps, prompts_per_step=args.prompts_per_step,
-                                  samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens,
-                                  learning_rate=args.learning_rate, checkpoint=out / "checkpoint.pt", seed=args.seed)
+    tasks = arithmetic_tasks(args.train_prompts, seed=args.seed)
+    if args.kind == "token":
+        adapter = TokenAdapter(backend.model.config.get_text_config().hidden_size, base_model=args.model)
+        history = train_token_adapter(backend, adapter, tasks, steps=args.steps, prompts_per_step=args.prompts_per_step,
+                                      samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens,
+                                      learning_rate=args.learning_rate, checkpoint=out / "checkpoint.pt", seed=args.seed)
+    else:
+        single = reward_table(backend, tasks, list(CANDIDATE_CHOICES), 1, args.max_new_tokens, args.seed)
+        choices = [CANDIDATE_CHOICES[i] for i in greedy_coverage(single, args.actions)]
+        tables = {1: single[:, [CANDIDATE_CHOICES.index(c) for c in choices]]}
+        for budget in (4,):
+            tables[budget] = reward_table(backend, tasks, choices, budget, args.max_new_tokens, args.seed + budget)
+        adapter = SequenceAdapter(backend.model.config.get_text_config().hidden_size, choices, base_model=args.model)
+        history = train_sequence_adapter(adapter, prompt_embeddings(backend, [t.prompt for t in tasks]), tables,
+                                         steps=args.steps, learning_rate=args.learning_rate, seed=args.seed)
     adapter.save(out)
     (out / "training.json").write_text(json.dumps({"command": args.invocation, "task": args.task, "history": history}, indent=1))
     print(f"saved {out} after {len(history)} steps; mean reward of the last 10: "
@@ -148,8 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--device-map", default=None)
     evaluate.add_argument("--dtype", default=None)
     evaluate.set_defaults(run=_eval)
-    train = commands.add_parser("train-adapter", help="train a token-level decoding adapter with REINFORCE (resumable)")
+    train = commands.add_parser("train-adapter", help="train a token- or sequence-level decoding adapter with REINFORCE")
+    train.add_argument("--kind", choices=["token", "sequence"], default="token")
     train.add_argument("--model", default="smollm2-135m")
+    train.add_argument("--actions", type=int, default=4, help="sequence adapter: configurations kept by greedy coverage")
     train.add_argument("--task", default="arithmetic")
     train.add_argument("--steps", type=int, default=60)
     train.add_argument("--prompts-per-step", type=int, default=8)

@@ -115,3 +115,24 @@ def test_training_a_few_steps_runs_and_resumes(llama_backend, tmp_path):
     resumed = train_token_adapter(llama_backend, adapter, tasks, steps=3, prompts_per_step=2, samples_per_prompt=3,
                                   max_new_tokens=4, checkpoint=checkpoint)
     assert [h["step"] for h in resumed] == [1, 2, 3]
+
+
+def test_sequence_adapter_learns_the_configuration_that_pays():
+    from adafuse.adaptive import train_sequence_adapter
+
+    torch.manual_seed(0)
+    embeddings = torch.randn(6, 8)
+    table = torch.tensor([[0.0, 1.0, 0.0]] * 6)  # configuration 1 always wins
+    table[0] = torch.tensor([1.0, 1.0, 1.0])  # a constant row, filtered out
+    adapter = SequenceAdapter(8, [SamplingChoice(), SamplingChoice(0.7), SamplingChoice(1.0)], hidden=16)
+    history = train_sequence_adapter(adapter, embeddings, {1: table, 4: table}, steps=60)
+    assert history[-1]["reward"] >= history[0]["reward"]
+    assert all(adapter.choose(e, 4) == SamplingChoice(0.7) for e in embeddings)
+
+
+def test_majority_vote_and_prompt_embeddings(llama_backend):
+    from adafuse.adaptive import majority_answer, prompt_embeddings
+
+    assert majority_answer([" 7", " 8\nQuestion", " 8", " 7 "]) == "7"
+    embeddings = prompt_embeddings(llama_backend, ["one prompt", "another, longer prompt"])
+    assert embeddings.shape == (2, llama_backend.model.config.hidden_size)
