@@ -50,3 +50,18 @@ def test_cli_generate_prints_answer_and_stats(capsys):
     assert code == 0
     assert "round 1" in out and "fused=" in out
     assert "forward_passes" in err and "smollm2-135m" in err
+
+
+def test_shipped_adapters_load_and_decode_on_their_base_model():
+    from adafuse import ModelBackend
+    from adafuse.adapters import SHIPPED, SequenceAdapter, TokenAdapter
+    from adafuse.adaptive import AdaptiveSampler, prompt_embeddings
+
+    token = TokenAdapter.load(SHIPPED / "smollm2-135m-token-arithmetic")
+    sequence = SequenceAdapter.load(SHIPPED / "smollm2-135m-sequence-arithmetic")
+    assert token.base_model == sequence.base_model == "smollm2-135m"
+    backend = ModelBackend.from_pretrained(token.base_model)
+    prompt = "Question: What is 3 + 4?\nAnswer: 7\n\nQuestion: What is 2 + 5?\nAnswer:"
+    rollout = AdaptiveSampler(backend, token).sample([prompt], max_new_tokens=4, stop=("\n",))[0]
+    assert rollout.text.strip() and len(rollout.actions) >= 1
+    assert sequence.choose(prompt_embeddings(backend, [prompt])[0], 4) in sequence.choices

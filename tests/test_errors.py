@@ -52,3 +52,17 @@ def test_config_update_and_validate():
     assert FusionConfig().tau_delta == 0.7 and FusionConfig().max_span_words == 3 and FusionConfig().num_branches == 3
     with pytest.raises(ValueError, match="stop"):
         FusionConfig(stop=[""]).validate()
+
+
+def test_cli_names_an_unknown_training_task(capsys):
+    from adafuse.cli import main
+
+    assert main(["train-adapter", "--task", "poetry"]) == 2
+    assert "unknown task 'poetry'" in capsys.readouterr().err
+
+
+def test_cli_names_an_unknown_benchmark(capsys):
+    from adafuse.cli import main
+
+    assert main(["eval", "--bench", "mmlu"]) == 2
+    assert "unknown benchmark(s) ['mmlu']" in capsys.readouterr().err
