@@ -83,7 +83,8 @@ def _eval(args: argparse.Namespace) -> int:
     methods = expand_methods(args.methods, list(args.models))
     fuser = AdaFuse.from_pretrained(args.models, FusionConfig(seed=args.seed), device_map=args.device_map, dtype=args.dtype)
     evaluator = Evaluator(fuser, benchmark_root(args.data), Path(args.out), max_new_tokens=args.max_new_tokens)
-    evaluator.run(benches, methods, args.limit, batch_size=args.batch_size)
+    if not args.report_only:
+        evaluator.run(benches, methods, args.limit, batch_size=args.batch_size)
     print(evaluator.report(args.invocation))
     return 0
 
@@ -155,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--data", default=None, help="benchmark folder (default: ../shared/benchmarks)")
     evaluate.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (1 gives exact per-example times)")
     evaluate.add_argument("--max-new-tokens", type=int, default=None, help="cap on each benchmark's generation budget")
+    evaluate.add_argument("--report-only", action="store_true", help="rewrite the report from predictions.jsonl, run nothing")
     evaluate.add_argument("--models", nargs="+", default=DEFAULT_PAIR)
     evaluate.add_argument("--seed", type=int, default=0)
     evaluate.add_argument("--device-map", default=None)
