@@ -61,6 +61,7 @@ def generation_info(result: GenerationResult) -> dict[str, Any]:
         "explorations": stats.explorations,
         "new_tokens": stats.new_tokens,
         "forward_passes": stats.forward_passes,
+        "row_forward_passes": stats.row_forward_passes,
         "tokens_processed": stats.tokens_processed,
         "wall_time_s": stats.wall_time_s,
     }

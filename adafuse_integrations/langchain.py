@@ -49,7 +49,7 @@ class AdaFuseLLM(BaseLLM, DecodingParameters):
         if self.engine is None:
             self.engine = build_engine(self.models, config, self.device_map, self.dtype)
         else:
-            config.validate(len(self.engine.backends))
+            self.engine.check_config(config)
             self.models = self.engine.model_names
         return self
 

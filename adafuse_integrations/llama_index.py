@@ -45,7 +45,7 @@ class AdaFuseLLM(CustomLLM, DecodingParameters):
         super().__init__(**kwargs)
         config = decoding_config(self)
         self._engine = engine if engine is not None else build_engine(self.models, config, self.device_map, self.dtype)
-        config.validate(len(self._engine.backends))
+        self._engine.check_config(config)
 
     @classmethod
     def class_name(cls) -> str:

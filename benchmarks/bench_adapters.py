@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=200)
     parser.add_argument("--max-new-tokens", type=int, default=4)
     parser.add_argument("--seed", type=int, default=12345, help="held-aside problems (training used seed 0)")
+    parser.add_argument("--plot", default="reports/adapters_budget.png", help="accuracy against the sample budget B")
     args = parser.parse_args()
     adapter = TokenAdapter.load(args.adapter)
     backend = ModelBackend.from_pretrained(adapter.base_model)
@@ -55,7 +56,9 @@ def compare_sequence_adapter(adapter: SequenceAdapter, backend: ModelBackend, ta
     sampler = AdaptiveSampler(backend)
     embeddings = prompt_embeddings(backend, [task.prompt for task in tasks])
     print("\nsequence level: majority vote over B samples")
-    for budget in (1, 4, 8):
+    curves: dict[str, list[float]] = {"best static configuration": [], "sequence adapter": []}
+    budgets = (1, 4, 8)
+    for budget in budgets:
         generator = torch.Generator().manual_seed(args.seed + budget)
         static = {choice: sum(best_of(sampler, tasks, choice, budget, args.max_new_tokens, generator)) / len(tasks)
                   for choice in adapter.choices}
@@ -66,7 +69,30 @@ def compare_sequence_adapter(adapter: SequenceAdapter, backend: ModelBackend, ta
             solved += sum(best_of(sampler, group, choice, budget, args.max_new_tokens, generator))
         best = max(static, key=static.get)
         shares = ", ".join(f"{_label(c)}: {picks.count(c) / len(picks):.0%}" for c in adapter.choices)
-        print(f"B={budget}: best static {_label(best)} {static[best]:.3f}; adapter {solved / len(tasks):.3f}  (adapter picks {shares})")
+        print(f"B={budget}: best static {_label(best)} {static[best]:.3f}; adapter {solved / len(tasks):.3f}  (adapter picks {shares})",
+              flush=True)
+        curves["best static configuration"].append(static[best])
+        curves["sequence adapter"].append(solved / len(tasks))
+    _plot(budgets, curves, args.plot)
+
+
+def _plot(budgets: tuple[int, ...], curves: dict[str, list[float]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(5, 3.5))
+    for label, values in curves.items():
+        axis.plot(budgets, values, "o-", label=label)
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(budgets, [str(b) for b in budgets])
+    axis.set_xlabel("parallel samples B (majority vote)")
+    axis.set_ylabel("accuracy (held-aside arithmetic)")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"plot: {path}")
 
 
 def _label(choice: SamplingChoice) -> str:

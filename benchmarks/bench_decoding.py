@@ -121,6 +121,11 @@ def main() -> None:
     fuser.generate(batch)
     cold_batch_time = time.perf_counter() - started
     cold_one_by_one = sum(cold_seconds[: len(batch)])
+    for backend in fuser.backends:
+        backend.prefix_cache = PromptPrefixCache()
+    started = time.perf_counter()
+    rolling = fuser.generate(prompts, max_batch_size=args.batch_size)
+    rolling_time = time.perf_counter() - started
 
     print("\nfigures")
     if naive_time is not None:
@@ -133,6 +138,9 @@ def main() -> None:
           f"-> throughput x{one_by_one / batch_time:.2f}; batched answers equal alone: "
           f"{sum(r.text == a for r, a in zip(batched, fused)) / len(batch):.0%}")
     print(f"  batch of {len(batch)} without prefix reuse: throughput x{cold_one_by_one / cold_batch_time:.2f}")
+    print(f"  all {len(prompts)} prompts, {args.batch_size} in flight (continuous batching): {rolling_time / len(prompts):.3f} "
+          f"s/answer vs {sum(fused_seconds) / len(prompts):.3f} alone -> throughput x{sum(fused_seconds) / rolling_time:.2f}; "
+          f"answers equal alone: {sum(r.text == a for r, a in zip(rolling, fused)) / len(prompts):.0%}")
 
 
 if __name__ == "__main__":

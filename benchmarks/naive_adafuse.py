@@ -17,6 +17,7 @@ class NaiveAdaFuse:
     def __init__(self, backends: list[ModelBackend], config: FusionConfig):
         self.backends, self.config = backends, config
 
+    @torch.inference_mode()
     def _forward(self, backend: ModelBackend, ids: list[int], cache: DynamicCache | None = None) -> torch.Tensor:
         backend.counters["forward_passes"] += 1
         backend.counters["tokens"] += len(ids)

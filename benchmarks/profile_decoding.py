@@ -1,6 +1,7 @@
-"""Where decoding time goes: cProfile of the engine, and the cost of each forward by tokens fed per row.
+"""Where decoding time goes: cProfile of the engine, and the cost of each forward by batch rows and tokens per row.
 
     python benchmarks/profile_decoding.py --limit 5
+    python benchmarks/profile_decoding.py --limit 8 --batch-size 8
 """
 from __future__ import annotations
 
@@ -18,37 +19,38 @@ from adafuse import AdaFuse, kv_tree
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=1, help="prompts in flight (continuous batching)")
     args = parser.parse_args()
     prompts = load_prompts(args.limit + 1)
     fuser = AdaFuse.from_pretrained(max_new_tokens=32, stop=["\n"])
     fuser.generate(prompts[0])  # warm-up, and the shared few-shot prefix is cached as in steady state
 
-    forwards: dict[tuple[str, str, int], list[float]] = defaultdict(lambda: [0, 0.0])
+    forwards: dict[tuple[str, str, int, int], list[float]] = defaultdict(lambda: [0, 0.0])
     run = kv_tree.TreeBatch._run
 
-    def timed(self, input_ids, mask, positions, logits_to_keep=0):
+    def timed(self, input_ids, mask, positions, wanted):
         started = time.perf_counter()
-        logits = run(self, input_ids, mask, positions, logits_to_keep)
-        entry = forwards[(self.model.config.model_type, "prefill" if logits_to_keep else "step", input_ids.shape[1])]
+        logprobs = run(self, input_ids, mask, positions, wanted)
+        kind = "step" if hasattr(self, "root_logprobs") else "prefill"
+        entry = forwards[(self.model.config.model_type, kind, *input_ids.shape)]
         entry[0] += 1
         entry[1] += time.perf_counter() - started
-        return logits
+        return logprobs
 
     kv_tree.TreeBatch._run = timed
     profile = cProfile.Profile()
     started = time.perf_counter()
     profile.enable()
-    for prompt in prompts[1:]:
-        fuser.generate(prompt)
+    fuser.generate(prompts[1:], max_batch_size=args.batch_size)
     profile.disable()
     total = time.perf_counter() - started
     kv_tree.TreeBatch._run = run
 
     in_forward = sum(seconds for _, seconds in forwards.values())
     print(f"{args.limit} answers: {total:.2f} s, {in_forward:.2f} s ({in_forward / total:.0%}) inside model forwards")
-    print("model        kind     tokens/row  calls  s/call")
-    for (model, kind, width), (calls, seconds) in sorted(forwards.items()):
-        print(f"{model:<12} {kind:<8} {width:>10} {calls:>6}  {seconds / calls:.3f}")
+    print("model        kind     rows  tokens/row  calls  s/call  s total")
+    for (model, kind, rows, width), (calls, seconds) in sorted(forwards.items()):
+        print(f"{model:<12} {kind:<8} {rows:>4} {width:>10} {calls:>6}  {seconds / calls:.3f}  {seconds:7.2f}")
     pstats.Stats(profile).sort_stats("tottime").print_stats(8)
 
 

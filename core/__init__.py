@@ -1,7 +1,9 @@
 """adafuse: adaptive word-level ensemble decoding of local language models (AdaFuse, arXiv 2601.06022)."""
+from .adapters import SequenceAdapter, TokenAdapter
 from .backend import ModelBackend
 from .config import FusionConfig
 from .engine import AdaFuse
+from .fusion_gate import FusionGate
 from .models import DEFAULT_MODELS, ModelLoadError, load_model, prepare_default_models
 from .result import CandidateTrace, DecodingStats, GenerationResult, RoundTrace
 
@@ -11,10 +13,13 @@ __all__ = [
     "DEFAULT_MODELS",
     "DecodingStats",
     "FusionConfig",
+    "FusionGate",
     "GenerationResult",
     "ModelBackend",
     "ModelLoadError",
     "RoundTrace",
+    "SequenceAdapter",
+    "TokenAdapter",
     "load_model",
     "prepare_default_models",
 ]

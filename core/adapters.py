@@ -26,7 +26,10 @@ __all__ = [
     "confident_step_mask",
     "greedy_coverage",
     "informative_prompts",
+    "load_checkpoint",
+    "policy_step",
     "reinforce_loss",
+    "save_checkpoint",
 ]
 
 
@@ -81,6 +84,34 @@ def reinforce_loss(action_logprobs: torch.Tensor, rewards: torch.Tensor, mask: t
         baseline = rewards[mask].mean() if mask.any() else 0.0
     advantage = (rewards - baseline).detach()
     return -(advantage * action_logprobs * mask).sum() / mask.sum().clamp(min=1)
+
+
+def load_checkpoint(path: Path | None, policy: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, list[dict]]:
+    """Resume training from `path` if it exists: restore policy and optimizer; return (steps done, history)."""
+    if path is None or not Path(path).exists():
+        return 0, []
+    state = torch.load(path, weights_only=False)
+    policy.load_state_dict(state["policy"])
+    optimizer.load_state_dict(state["optimizer"])
+    return state["step"], state["history"]
+
+
+def policy_step(optimizer: torch.optim.Optimizer, losses: list[torch.Tensor]) -> float:
+    """One optimizer step on the mean of `losses`; returns that mean (0.0, and no step, when there are none)."""
+    if not losses:
+        return 0.0
+    loss = torch.stack(losses).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return float(loss.detach())
+
+
+def save_checkpoint(path: Path | None, policy: nn.Module, optimizer: torch.optim.Optimizer, step: int,
+                    history: list[dict]) -> None:
+    """Write what `load_checkpoint` resumes from (nothing when `path` is None)."""
+    if path is not None:
+        torch.save({"policy": policy.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "history": history}, path)
 
 
 def _mlp(inputs: int, hidden: int, outputs: int) -> nn.Sequential:

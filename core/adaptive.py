@@ -13,14 +13,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .adapters import SamplingChoice, SequenceAdapter, TokenAdapter, confident_step_mask, informative_prompts, reinforce_loss
+from .adapters import (
+    SamplingChoice, SequenceAdapter, TokenAdapter, confident_step_mask, informative_prompts, load_checkpoint, policy_step,
+    reinforce_loss, save_checkpoint,
+)
 from .backend import ModelBackend
 from .sampling import filtered_probs
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "AdaptiveSampler", "CANDIDATE_CHOICES", "Rollout", "Task", "arithmetic_tasks", "best_of", "majority_answer",
+    "AdaptiveSampler", "CANDIDATE_CHOICES", "Rollout", "Task", "arithmetic_tasks", "benchmark_tasks", "best_of", "majority_answer",
     "prompt_embeddings", "reward_table", "train_sequence_adapter", "train_token_adapter",
 ]
 
@@ -124,6 +127,22 @@ def arithmetic_tasks(count: int, seed: int = 0) -> list[Task]:
     return tasks
 
 
+def benchmark_tasks(name: str, rows: range, data_root: Path | None = None) -> list[Task]:
+    """Rows of one QA or math benchmark as tasks; the reward is the benchmark's own accuracy (lenient match or
+    final number) of the extracted answer."""
+    from .benchmarks import BENCHMARKS, benchmark_root
+
+    bench = BENCHMARKS.get(name)
+    if bench is None or bench.kind == "translation":
+        raise ValueError(f"unknown task {name!r}: use arithmetic or a QA/math benchmark ({', '.join(b for b, v in BENCHMARKS.items() if v.kind != 'translation')})")
+    few_shot, table = bench.load(Path(data_root) if data_root else benchmark_root(), rows.stop)
+    return [
+        Task(bench.prompt(few_shot, row["question"]),
+             lambda completion, answer=row["answer"]: bench.score_row(bench.extract(completion), answer)["accuracy"] > 0)
+        for row in table[rows.start : rows.stop]
+    ]
+
+
 def _number_check(answer: float) -> Callable[[str], bool]:
     from .benchmarks import final_number
 
@@ -152,12 +171,7 @@ def train_token_adapter(
     A checkpoint (adapter + optimizer + step) is written every step and resumed from when present.
     """
     optimizer = torch.optim.Adam(adapter.parameters(), lr=learning_rate)
-    start, history = 0, []
-    if checkpoint is not None and checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
-        adapter.load_state_dict(state["adapter"])
-        optimizer.load_state_dict(state["optimizer"])
-        start, history = state["step"], state["history"]
+    start, history = load_checkpoint(checkpoint, adapter, optimizer)
     sampler = AdaptiveSampler(backend, adapter)
     generator = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -184,16 +198,9 @@ def train_token_adapter(
                     mask = confident_step_mask(torch.tensor(rollout.max_probs[: len(rollout.actions)]))
                     reward = torch.full((len(rollout.actions),), float(rewards[p, k]))
                     losses.append(reinforce_loss(action_logprobs, reward, mask, baseline=rewards[p].mean()))
-            if losses:
-                loss = torch.stack(losses).mean()
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                record["loss"] = float(loss.detach())
+            record["loss"] = policy_step(optimizer, losses)
         history.append(record)
-        if checkpoint is not None:
-            torch.save({"adapter": adapter.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
-                        "history": history}, checkpoint)
+        save_checkpoint(checkpoint, adapter, optimizer, step + 1, history)
     adapter.eval()
     return history
 

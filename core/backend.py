@@ -8,8 +8,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .chat import Message, render_chat
-from .kv_tree import PromptPrefixCache, TreeBatch
+from .kv_tree import OutputHead, PromptPrefixCache, TreeBatch
 from .models import load_model
+from .cpu_kernels import prepare_for_cpu
 from .words import word_start_table
 
 logger = logging.getLogger(__name__)
@@ -24,7 +25,8 @@ class ModelBackend:
 
     Per-request state lives in the `TreeBatch` that `start()` returns (the KV cache and scratch tree of a
     batch of prompts); the backend keeps only the KV of the last prompt, reused by prompts that begin the same
-    way. One backend serves many requests, one at a time.
+    way. One backend serves many requests, one at a time. On CPU the model gets faster kernels (`cpu_kernels`:
+    oneDNN-packed linear layers, copy-free grouped-query attention), which treat the weights as frozen.
     """
 
     def __init__(
@@ -34,9 +36,13 @@ class ModelBackend:
         name: str | None = None,
         *,
         reuse_prompt_prefix: bool = True,
+        cpu_kernels: bool = True,
     ):
         self.model = model.eval()
+        if cpu_kernels:
+            prepare_for_cpu(self.model)
         self.prefix_cache = PromptPrefixCache() if reuse_prompt_prefix else None
+        self.output_head = OutputHead.of(self.model)
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", None) or model.config.model_type
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -55,11 +61,12 @@ class ModelBackend:
         device_map: str | dict | None = None,
         dtype: str | torch.dtype | None = None,
         reuse_prompt_prefix: bool = True,
+        cpu_kernels: bool = True,
         **kwargs: Any,
     ) -> "ModelBackend":
         """Load an embedded default model name, a Hugging Face id or a local folder."""
         model, tokenizer = load_model(name_or_path, device_map=device_map, dtype=dtype, **kwargs)
-        return cls(model, tokenizer, name=name_or_path, reuse_prompt_prefix=reuse_prompt_prefix)
+        return cls(model, tokenizer, name=name_or_path, reuse_prompt_prefix=reuse_prompt_prefix, cpu_kernels=cpu_kernels)
 
     def _end_token_ids(self) -> list[int]:
         ids = set()
@@ -99,7 +106,9 @@ class ModelBackend:
     def start(self, prompts: list[list[int]], keep_hidden: bool = False) -> TreeBatch:
         """Encode prompts into a fresh KV cache (one forward pass; a stored shared prompt prefix is reused)."""
         self._piece_cache.clear()
-        return TreeBatch(self.model, prompts, self.pad_token_id, self.counters, self.prefix_cache, keep_hidden)
+        return TreeBatch(
+            self.model, prompts, self.pad_token_id, self.counters, self.prefix_cache, keep_hidden, self.output_head
+        )
 
     def end_logprob(self, logprobs: torch.Tensor) -> torch.Tensor:
         """Log-probability of ending the sequence here, over all of this model's end tokens."""

@@ -26,6 +26,7 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
     parser.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable; use '\\n' for newline)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
+    parser.add_argument("--fusion-gate", default=None, help="folder or shipped name of a learned gate used instead of --tau-delta")
     parser.add_argument("--device-map", default=None, help="e.g. cuda, auto, cpu")
     parser.add_argument("--dtype", default=None, help="e.g. float32, bfloat16 (default: the checkpoint's)")
 
@@ -42,6 +43,7 @@ def _generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         stop=[s.encode().decode("unicode_escape") for s in args.stop],
         seed=args.seed,
+        fusion_gate=args.fusion_gate,
     ).validate(len(args.models))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt.encode().decode("unicode_escape") if args.escapes else args.prompt
     load_started = time.perf_counter()
@@ -90,42 +92,74 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _train_adapter(args: argparse.Namespace) -> int:
-    import json
-
     import torch
 
-    from .adapters import SequenceAdapter, TokenAdapter, greedy_coverage
-    from .adaptive import (
-        CANDIDATE_CHOICES, arithmetic_tasks, prompt_embeddings, reward_table, train_sequence_adapter, train_token_adapter,
-    )
-    from .backend import ModelBackend
-
-    if args.task != "arithmetic":
-        raise ValueError(f"unknown task {args.task!r}: the trainer ships with 'arithmetic' (generated sums)")
-    backend = ModelBackend.from_pretrained(args.model, device_map=args.device_map, dtype=args.dtype)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
-    tasks = arithmetic_tasks(args.train_prompts, seed=args.seed)
-    if args.kind == "token":
-        adapter = TokenAdapter(backend.model.config.get_text_config().hidden_size, base_model=args.model)
-        history = train_token_adapter(backend, adapter, tasks, steps=args.steps, prompts_per_step=args.prompts_per_step,
-                                      samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens,
-                                      learning_rate=args.learning_rate, checkpoint=out / "checkpoint.pt", seed=args.seed)
+    out = Path(args.out)
+    if args.kind == "gate":
+        adapter, history = _train_gate(args, out)
     else:
-        single = reward_table(backend, tasks, list(CANDIDATE_CHOICES), 1, args.max_new_tokens, args.seed)
-        choices = [CANDIDATE_CHOICES[i] for i in greedy_coverage(single, args.actions)]
-        tables = {1: single[:, [CANDIDATE_CHOICES.index(c) for c in choices]]}
-        for budget in (4,):
-            tables[budget] = reward_table(backend, tasks, choices, budget, args.max_new_tokens, args.seed + budget)
-        adapter = SequenceAdapter(backend.model.config.get_text_config().hidden_size, choices, base_model=args.model)
-        history = train_sequence_adapter(adapter, prompt_embeddings(backend, [t.prompt for t in tasks]), tables,
-                                         steps=args.steps, learning_rate=args.learning_rate, seed=args.seed)
+        adapter, history = _train_sampling_adapter(args, out)
     adapter.save(out)
     (out / "training.json").write_text(json.dumps({"command": args.invocation, "task": args.task, "history": history}, indent=1))
     print(f"saved {out} after {len(history)} steps; mean reward of the last 10: "
           f"{sum(h['reward'] for h in history[-10:]) / max(1, len(history[-10:])):.3f}")
     return 0
+
+
+def _training_tasks(args: argparse.Namespace):
+    from .adaptive import arithmetic_tasks, benchmark_tasks
+    from .benchmarks import benchmark_root
+
+    if args.task == "arithmetic":
+        return arithmetic_tasks(args.train_prompts, seed=args.seed)
+    first = args.first_row
+    return benchmark_tasks(args.task, range(first, first + args.train_prompts), benchmark_root(args.data))
+
+
+def _train_gate(args: argparse.Namespace, out: Path):
+    from .benchmarks import BENCHMARKS
+    from .engine import AdaFuse
+    from .fusion_gate import FusionGate, train_fusion_gate
+
+    fuser = AdaFuse.from_pretrained(args.models, device_map=args.device_map, dtype=args.dtype)
+    tasks = _training_tasks(args)
+    stop = BENCHMARKS[args.task].stop if args.task in BENCHMARKS else ("\n",)
+    out.mkdir(parents=True, exist_ok=True)
+    gate = FusionGate([b.model.config.get_text_config().hidden_size for b in fuser.backends], fuser.model_names)
+    history = train_fusion_gate(fuser, gate, tasks, steps=args.steps, prompts_per_step=args.prompts_per_step,
+                                samples_per_prompt=args.samples, forward_cost=args.forward_cost,
+                                max_new_tokens=args.max_new_tokens, stop=stop, learning_rate=args.learning_rate,
+                                batch_size=args.batch_size, checkpoint=out / "checkpoint.pt", seed=args.seed)
+    return gate, history
+
+
+def _train_sampling_adapter(args: argparse.Namespace, out: Path):
+    from .adapters import SequenceAdapter, TokenAdapter, greedy_coverage
+    from .adaptive import (
+        CANDIDATE_CHOICES, prompt_embeddings, reward_table, train_sequence_adapter, train_token_adapter,
+    )
+    from .backend import ModelBackend
+
+    backend = ModelBackend.from_pretrained(args.model, device_map=args.device_map, dtype=args.dtype)
+    tasks = _training_tasks(args)
+    out.mkdir(parents=True, exist_ok=True)
+    hidden_size = backend.model.config.get_text_config().hidden_size
+    if args.kind == "token":
+        adapter = TokenAdapter(hidden_size, base_model=args.model)
+        history = train_token_adapter(backend, adapter, tasks, steps=args.steps, prompts_per_step=args.prompts_per_step,
+                                      samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens,
+                                      learning_rate=args.learning_rate, checkpoint=out / "checkpoint.pt", seed=args.seed)
+        return adapter, history
+    single = reward_table(backend, tasks, list(CANDIDATE_CHOICES), 1, args.max_new_tokens, args.seed)
+    choices = [CANDIDATE_CHOICES[i] for i in greedy_coverage(single, args.actions)]
+    tables = {1: single[:, [CANDIDATE_CHOICES.index(c) for c in choices]]}
+    for budget in (4,):
+        tables[budget] = reward_table(backend, tasks, choices, budget, args.max_new_tokens, args.seed + budget)
+    adapter = SequenceAdapter(hidden_size, choices, base_model=args.model)
+    history = train_sequence_adapter(adapter, prompt_embeddings(backend, [t.prompt for t in tasks]), tables,
+                                     steps=args.steps, learning_rate=args.learning_rate, seed=args.seed)
+    return adapter, history
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -154,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--limit", type=int, default=None, help="first N rows of each benchmark")
     evaluate.add_argument("--out", default="reports/eval", help="folder for predictions.jsonl, report.md and plots")
     evaluate.add_argument("--data", default=None, help="benchmark folder (default: ../shared/benchmarks)")
-    evaluate.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (1 gives exact per-example times)")
+    evaluate.add_argument("--batch-size", type=int, default=1, help="prompts in flight, continuous batching (1 gives exact per-example times)")
     evaluate.add_argument("--max-new-tokens", type=int, default=None, help="cap on each benchmark's generation budget")
     evaluate.add_argument("--report-only", action="store_true", help="rewrite the report from predictions.jsonl, run nothing")
     evaluate.add_argument("--models", nargs="+", default=DEFAULT_PAIR)
@@ -162,11 +196,17 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--device-map", default=None)
     evaluate.add_argument("--dtype", default=None)
     evaluate.set_defaults(run=_eval)
-    train = commands.add_parser("train-adapter", help="train a token- or sequence-level decoding adapter with REINFORCE")
-    train.add_argument("--kind", choices=["token", "sequence"], default="token")
-    train.add_argument("--model", default="smollm2-135m")
+    train = commands.add_parser("train-adapter", help="train a decoding adapter or a fusion gate with REINFORCE (resumable)")
+    train.add_argument("--kind", choices=["token", "sequence", "gate"], default="token",
+                       help="token/sequence: single-model sampling adapters; gate: AdaFuse's commit/explore decision")
+    train.add_argument("--model", default="smollm2-135m", help="token/sequence: the frozen model")
+    train.add_argument("--models", nargs="+", default=DEFAULT_PAIR, help="gate: the fused models")
     train.add_argument("--actions", type=int, default=4, help="sequence adapter: configurations kept by greedy coverage")
-    train.add_argument("--task", default="arithmetic")
+    train.add_argument("--task", default="arithmetic", help="arithmetic (generated sums) or a QA/math benchmark, e.g. squad")
+    train.add_argument("--first-row", type=int, default=400, help="benchmark tasks: first training row (rows before it stay held aside)")
+    train.add_argument("--data", default=None, help="benchmark folder (default: ../shared/benchmarks)")
+    train.add_argument("--forward-cost", type=float, default=0.005, help="gate: reward lost per forward pass")
+    train.add_argument("--batch-size", type=int, default=None, help="gate: rollouts decoded together (default: all of a step)")
     train.add_argument("--steps", type=int, default=60)
     train.add_argument("--prompts-per-step", type=int, default=8)
     train.add_argument("--samples", type=int, default=4, help="samples per prompt (the per-prompt baseline)")

@@ -32,6 +32,8 @@ class FusionConfig:
         unit: "word" is AdaFuse; "token" is the token-level baseline (UniTE-style): each round pools every
             model's `token_top_k` next tokens by text and picks the highest mean probability.
         token_top_k: tokens each model contributes per round in "token" mode.
+        fusion_gate: folder (or shipped name) of a learned `FusionGate` that makes the commit/explore decision
+            in place of tau_delta.
     """
 
     tau_delta: float = 0.7
@@ -51,6 +53,7 @@ class FusionConfig:
     seed: int = 0
     unit: FusionUnit = "word"
     token_top_k: int = 10
+    fusion_gate: str | None = None
 
     def validate(self, num_models: int | None = None) -> "FusionConfig":
         """Raise ValueError naming the first parameter out of range; return self."""
@@ -89,7 +92,7 @@ class FusionConfig:
             raise ValueError(f"unknown decoding parameter(s) {unknown}; known: {sorted(known)}")
         if isinstance(overrides.get("stop"), str):
             overrides["stop"] = [overrides["stop"]]
-        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None or k in ("fixed_span_words", "max_rounds", "model_weights")})
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None or k in ("fixed_span_words", "max_rounds", "model_weights", "fusion_gate")})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

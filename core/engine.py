@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 from .backend import ModelBackend
 from .chat import Message
 from .config import FusionConfig
+from .fusion_gate import FusionGate, GateDecision, GateSession, load_gate
 from .kv_tree import TreeBatch
 from .proposals import RowProposals, propose
 from .result import CandidateTrace, DecodingStats, GenerationResult, RoundTrace
@@ -22,6 +24,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["AdaFuse"]
 
 Prompt = str | list[Message]
+# Waiting prompts join a running batch once this share of its slots is free: each join costs a prefill
+# forward and a cache copy, so joining in groups beats joining one by one (benchmarks/bench_decoding.py).
+_JOIN_AT = 0.5
 
 
 @dataclass
@@ -41,6 +46,7 @@ class _RowState:
     finish_reason: str | None = None
     stats: DecodingStats = field(default_factory=DecodingStats)
     trace: list[RoundTrace] | None = None
+    gate_decisions: list[GateDecision] = field(default_factory=list)
 
 
 class AdaFuse:
@@ -55,8 +61,9 @@ class AdaFuse:
         if not backends:
             raise ValueError("AdaFuse needs at least one model")
         self.backends = list(backends)
-        self.config = (config or FusionConfig()).validate(len(self.backends))
         self._lock = threading.Lock()
+        self._gates: dict[str, FusionGate] = {}
+        self.config = self.check_config(config or FusionConfig())
 
     @classmethod
     def from_pretrained(
@@ -87,15 +94,28 @@ class AdaFuse:
         return min(b.context_window for b in self.backends)
 
     # ------------------------------------------------------------------ public API
-    def generate(self, prompt: Prompt | list[Prompt], *, trace: bool = False, **overrides: Any) -> GenerationResult | list[GenerationResult]:
-        """Fused completion of one prompt (str or chat messages) or a list of prompts run as one batch.
+    def generate(
+        self,
+        prompt: Prompt | list[Prompt],
+        *,
+        trace: bool = False,
+        max_batch_size: int | None = None,
+        gate: GateSession | None = None,
+        **overrides: Any,
+    ) -> GenerationResult | list[GenerationResult]:
+        """Fused completion of one prompt (str or chat messages) or of a list of prompts decoded as a batch.
 
+        With `max_batch_size`, at most that many prompts decode together and the next prompt joins as soon as
+        one finishes (continuous batching), so short answers do not wait for the longest one.
+        `gate` runs a fusion gate session (for training; to decode with a trained gate set `fusion_gate`).
         Keyword overrides replace `FusionConfig` fields for this call (e.g. `tau_delta=0.5, stop=["\\n"]`).
         """
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         single = isinstance(prompt, str) or _is_messages(prompt)
         prompts = [prompt] if single else list(prompt)
         results: list[GenerationResult | None] = [None] * len(prompts)
-        for event in self._decode(prompts, self._call_config(overrides), trace):
+        for event in self._decode(prompts, self._call_config(overrides), trace, max_batch_size, gate):
             if isinstance(event, tuple) and isinstance(event[1], GenerationResult):
                 results[event[0]] = event[1]
         return results[0] if single else results
@@ -111,29 +131,53 @@ class AdaFuse:
                 yield piece
 
     def _call_config(self, overrides: dict[str, Any]) -> FusionConfig:
-        return self.config.update(**overrides).validate(len(self.backends))
+        return self.check_config(self.config.update(**overrides))
+
+    def check_config(self, config: FusionConfig) -> FusionConfig:
+        """Validate `config` for these models, loading its fusion gate if it names one; return it."""
+        config.validate(len(self.backends))
+        self._gate_session(config)
+        return config
 
     # ------------------------------------------------------------------ the loop
-    def _decode(self, prompts: list[Prompt], config: FusionConfig, trace: bool) -> Iterator[tuple[int, str | GenerationResult]]:
+    def _decode(
+        self,
+        prompts: list[Prompt],
+        config: FusionConfig,
+        trace: bool,
+        max_batch_size: int | None = None,
+        gate: GateSession | None = None,
+    ) -> Iterator[tuple[int, str | GenerationResult]]:
         if not prompts:
             raise ValueError("no prompt given")
+        gate = gate or self._gate_session(config)
         with self._lock:
             started = time.perf_counter()
             for backend in self.backends:
                 backend.reset_counters()
-            batches = self._start(prompts, config)
+            encoded = self._encode(prompts, config)
             rows = [_RowState(trace=[] if trace else None) for _ in prompts]
-            active = list(range(len(prompts)))  # row index of each batch position
+            waiting, active = deque(range(len(prompts))), []  # active: row index of each batch position
+            batches: list[TreeBatch] = []
             generator = torch.Generator(device=self.backends[0].model.device).manual_seed(config.seed)
             weights = torch.tensor(config.model_weights or [1.0] * len(self.backends))
             weights = weights / weights.sum()
-            while active:
+            capacity = max_batch_size or len(prompts)
+            while active or waiting:
+                free = capacity - len(active)
+                if waiting and free > 0 and (free >= _JOIN_AT * capacity or not active):
+                    joining = [waiting.popleft() for _ in range(min(len(waiting), free))]
+                    self._join(batches, [[ids[r] for r in joining] for ids in encoded], keep_hidden=gate is not None)
+                    active += joining
                 if config.unit == "token":
                     proposals, pools = [], [self._token_pool(batches, position, config) for position in range(len(active))]
                     scores = [self._token_scores(batches, position, pool, weights) for position, pool in enumerate(pools)]
                 else:
                     budgets = [config.max_new_tokens - rows[r].new_tokens for r in active]
-                    proposals = [propose(b, batch, config, budgets, generator) for b, batch in zip(self.backends, batches)]
+                    proposals = [
+                        propose(b, batch, config, budgets, generator, gate, m)
+                        for m, (b, batch) in enumerate(zip(self.backends, batches))
+                    ]
                     pools = [self._pool(position, proposals) for position in range(len(active))]
                     scores = self._score(batches, pools, weights)
                 spans: list[list[list[int]] | list[None]] = [[] for _ in self.backends]
@@ -147,6 +191,8 @@ class AdaFuse:
                         yield r, piece
                     for m, backend in enumerate(self.backends):
                         spans[m].append(None if state.finish_reason else backend.encode_piece(chosen.text))
+                        if state.finish_reason:
+                            state.stats.row_forward_passes[backend.name] = batches[m].rows[position].forwards
                 for m, batch in enumerate(batches):
                     batch.commit(spans[m])
                 active = [r for r in active if rows[r].finish_reason is None]
@@ -158,13 +204,44 @@ class AdaFuse:
                 state.stats.new_tokens = state.new_tokens
                 state.stats.forward_passes = {b.name: c["forward_passes"] for b, c in zip(self.backends, counters)}
                 state.stats.tokens_processed = {b.name: c["tokens"] for b, c in zip(self.backends, counters)}
+                if gate is not None and gate.sample:
+                    gate.decisions[r] = state.gate_decisions
                 if state.emitted < len(state.text):
                     yield r, state.text[state.emitted:]
                 yield r, GenerationResult(state.text, state.finish_reason, state.stats, state.trace)
 
+    def _gate_session(self, config: FusionConfig) -> GateSession | None:
+        """The learned gate named by `config.fusion_gate` (loaded once), checked against these models."""
+        if config.fusion_gate is None or config.unit == "token":
+            return None
+        gate = self._gates.get(config.fusion_gate)
+        if gate is None:
+            gate = load_gate(config.fusion_gate)
+            sizes = [b.model.config.get_text_config().hidden_size for b in self.backends]
+            if gate.hidden_sizes != sizes:
+                raise ValueError(
+                    f"fusion gate {config.fusion_gate!r} was trained for models {gate.model_names or gate.hidden_sizes} "
+                    f"(hidden sizes {gate.hidden_sizes}), not these ({self.model_names}, hidden sizes {sizes})"
+                )
+            self._gates[config.fusion_gate] = gate
+        return GateSession(gate)
+
+    def _join(self, batches: list[TreeBatch], encoded: list[list[list[int]]], keep_hidden: bool = False) -> None:
+        """Prefill new prompts (token ids per model) and add them as rows to the running batches."""
+        joining = [backend.start(ids, keep_hidden) for backend, ids in zip(self.backends, encoded)]
+        if not batches:
+            batches.extend(joining)
+        for batch, new in zip(batches, joining):
+            if batch is not new:
+                batch.extend(new)
+
     def _start(self, prompts: list[Prompt], config: FusionConfig) -> list[TreeBatch]:
-        """Render and encode each prompt for each model, check lengths, and prefill every model's cache."""
-        batches = []
+        """Encode prompts for each model and prefill every model's cache with all of them."""
+        return [backend.start(ids) for backend, ids in zip(self.backends, self._encode(prompts, config))]
+
+    def _encode(self, prompts: list[Prompt], config: FusionConfig) -> list[list[list[int]]]:
+        """Render and encode each prompt for each model (per model, per prompt), checking it before any work."""
+        per_model = []
         for backend in self.backends:
             encoded = []
             for prompt in prompts:
@@ -179,8 +256,8 @@ class AdaFuse:
                         f"context window of model {backend.name!r} ({backend.context_window} tokens)"
                     )
                 encoded.append(ids)
-            batches.append(backend.start(encoded))
-        return batches
+            per_model.append(encoded)
+        return per_model
 
     def _pool(self, position: int, proposals: list[list[RowProposals]]) -> list[_Candidate]:
         """All models' candidate spans for one row, deduplicated by text (and whether they end)."""
@@ -263,6 +340,8 @@ class AdaFuse:
 
     def _record_round(self, state: _RowState, position: int, proposals, pool, scores, chosen: _Candidate) -> None:
         state.stats.rounds += 1
+        for per_row in proposals:
+            state.gate_decisions.extend(per_row[position].decisions)
         state.stats.words_per_round.append(len(chosen.text.split()))
         state.stats.explorations += sum(per_row[position].explored for per_row in proposals)
         if state.trace is not None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ __all__ = ["Evaluator", "expand_methods"]
 ABLATIONS = ["adafuse:B=1", "fixed:1", "fixed:2", "fixed:3"]
 BASELINES = ["unite", "rerank"]
 TAU_SWEEP = ["adafuse:tau=0.3", "adafuse:tau=0.5", "adafuse:tau=0.9"]
+_BATCHES_PER_WRITE = 4
 
 
 def expand_methods(spec: str, model_names: list[str]) -> list[str]:
@@ -61,11 +63,13 @@ def _method_overrides(method: str, model_names: list[str]) -> dict[str, Any]:
                 return {"tau_delta": float(value)}
             if name == "B":
                 return {"num_branches": int(value)}
+            if name == "gate" and value:
+                return {"fusion_gate": value}
         except ValueError:
             pass
     raise ValueError(
         f"unknown method {method!r}: use single:<model> ({', '.join(model_names)}), adafuse, adafuse:tau=X, "
-        f"adafuse:B=N, fixed:N, unite, rerank, or the groups single, ablations, baselines, sweep, all"
+        f"adafuse:B=N, adafuse:gate=<folder or shipped name>, fixed:N, unite, rerank, or the groups single, ablations, baselines, sweep, all"
     )
 
 
@@ -101,6 +105,10 @@ class Evaluator:
             return {(r["bench"], r["method"], r["index"]) for r in map(json.loads, handle)}
 
     def run(self, benches: list[str], methods: list[str], limit: int | None, batch_size: int = 1) -> None:
+        """Run every method over every benchmark, `batch_size` prompts in flight, appending to the JSONL.
+
+        Rows are written every few batches' worth, so an interrupted run loses little and resumes there.
+        """
         unknown = [b for b in benches if b not in BENCHMARKS]
         if unknown:
             raise ValueError(f"unknown benchmark(s) {unknown}; known: {sorted(BENCHMARKS)}")
@@ -110,10 +118,13 @@ class Evaluator:
             few_shot, rows = bench.load(self.data_root, limit)
             for method in methods:
                 todo = [i for i in range(len(rows)) if (name, method, i) not in done]
-                chunks = [todo[i : i + batch_size] for i in range(0, len(todo), batch_size)]
-                for chunk in tqdm(chunks, desc=f"{name} {method}", unit="batch", disable=not chunks):
+                per_write = batch_size * _BATCHES_PER_WRITE
+                chunks = [todo[i : i + per_write] for i in range(0, len(todo), per_write)]
+                progress = tqdm(total=len(todo), desc=f"{name} {method}", unit="row", disable=not todo)
+                for chunk in chunks:
                     prompts = [bench.prompt(few_shot, rows[i]["question"]) for i in chunk]
-                    outcomes = self._run_method(method, bench, prompts)
+                    outcomes = self._run_method(method, bench, prompts, batch_size)
+                    progress.update(len(chunk))
                     with open(self.predictions, "a") as handle:
                         for i, outcome in zip(chunk, outcomes):
                             handle.write(json.dumps(self._record(bench, method, i, rows[i], outcome)) + "\n")
@@ -128,29 +139,35 @@ class Evaluator:
             "models": len(outcome.forward_passes),
         }
 
-    def _run_method(self, method: str, bench: Benchmark, prompts: list[str]) -> list[_Outcome]:
+    def _run_method(self, method: str, bench: Benchmark, prompts: list[str], batch_size: int) -> list[_Outcome]:
         budget = min(bench.max_new_tokens, self.max_new_tokens or bench.max_new_tokens)
-        options = {"max_new_tokens": budget, "stop": list(bench.stop)}
+        options = {"max_new_tokens": budget, "stop": list(bench.stop), "max_batch_size": batch_size}
         if method.startswith("single:"):
             return _outcomes(self._singles[method.split(":", 1)[1]].generate(prompts, **options))
         if method == "rerank":
-            return [self._rerank(prompt, options) for prompt in prompts]
+            return self._rerank(prompts, options)
         overrides = _method_overrides(method, self.fuser.model_names)
         return _outcomes(self.fuser.generate(prompts, **options, **overrides))
 
-    def _rerank(self, prompt: str, options: dict[str, Any]) -> _Outcome:
+    def _rerank(self, prompts: list[str], options: dict[str, Any]) -> list[_Outcome]:
         """Sample-level selection: each model answers alone; the answer with the lowest mean NLL across models wins."""
-        answers = [single.generate(prompt, **options) for single in self._singles.values()]
-        passes = {name: r.stats.forward_passes[name] for name, r in zip(self._singles, answers)}
-        seconds = sum(r.stats.wall_time_s for r in answers)
-        texts = list(dict.fromkeys(r.text for r in answers if r.text.strip()))
-        best = ""
-        if texts:
-            scores = self.fuser.score(prompt, texts)
-            best = texts[min(range(len(texts)), key=lambda i: sum(scores[i]))]
-            for backend in self.fuser.backends:
-                passes[backend.name] += backend.reset_counters()["forward_passes"]
-        return _Outcome(best, seconds, passes, 1, 0, [])
+        answers = {name: _outcomes(single.generate(prompts, **options)) for name, single in self._singles.items()}
+        outcomes = []
+        for i, prompt in enumerate(prompts):
+            mine = [answers[name][i] for name in self._singles]
+            passes = {name: outcome.forward_passes[name] for name, outcome in zip(self._singles, mine)}
+            seconds = sum(outcome.wall_time_s for outcome in mine)
+            texts = list(dict.fromkeys(o.completion for o in mine if o.completion.strip()))
+            best = ""
+            if texts:
+                started = time.perf_counter()
+                scores = self.fuser.score(prompt, texts)
+                seconds += time.perf_counter() - started
+                best = texts[min(range(len(texts)), key=lambda t: sum(scores[t]))]
+                for backend in self.fuser.backends:
+                    passes[backend.name] += backend.reset_counters()["forward_passes"]
+            outcomes.append(_Outcome(best, seconds, passes, 1, 0, []))
+        return outcomes
 
     # ------------------------------------------------------------------ report
     def report(self, command: str) -> Path:

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
-__all__ = ["Node", "PromptPrefixCache", "TreeBatch"]
+__all__ = ["Node", "OutputHead", "PromptPrefixCache", "TreeBatch"]
 
 
 @dataclass
@@ -37,6 +38,82 @@ class PromptPrefixCache:
         return shared if shared >= self.min_tokens else 0
 
 
+@dataclass
+class OutputHead:
+    """A causal LM split into its decoder stack and its output projection.
+
+    Over a large vocabulary the projection costs as much as the rest of a small model (Gemma 3 270M: 168M of
+    its 268M weights), so it is applied only at the positions whose next-token distribution is needed, not
+    at padding.
+    """
+
+    decoder: torch.nn.Module
+    projection: torch.nn.Module
+    softcap: float | None = None
+
+    @classmethod
+    @torch.inference_mode()
+    def of(cls, model: PreTrainedModel) -> "OutputHead | None":
+        """Split `model`, or None where its logits are not the projection of its decoder's output (checked)."""
+        decoder, projection = model.get_decoder(), model.get_output_embeddings()
+        if decoder is model or projection is None:
+            return None
+        text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        head = cls(decoder, projection, getattr(text_config, "final_logit_softcapping", None))
+        probe = torch.arange(1, 4, device=model.device)[None]
+        try:
+            expected = model(input_ids=probe, use_cache=False).logits
+            split = head.logits(decoder(input_ids=probe, use_cache=False).last_hidden_state)
+        except (TypeError, AttributeError, ValueError):
+            return None
+        return head if torch.allclose(expected.float(), split.float(), atol=1e-4, rtol=1e-3) else None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.projection(hidden)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+class _GrowingLayer(DynamicLayer):
+    """A cache layer that appends new keys/values into spare capacity.
+
+    `DynamicLayer` concatenates, copying a layer's whole cache at every forward; with a batch of long prompts
+    that copy costs as much as the attention itself. Keys and values assigned from outside (commit, joins) are
+    moved into a fresh buffer at the next update.
+    """
+
+    _key_buffer: torch.Tensor | None = None
+    _value_buffer: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = self.get_seq_length()
+        end = length + key_states.shape[-2]
+        if not self._owns(end, key_states):
+            self._reserve(length, end, key_states, value_states)
+        self._key_buffer[:, :, length:end] = key_states
+        self._value_buffer[:, :, length:end] = value_states
+        self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def _owns(self, end: int, key_states: torch.Tensor) -> bool:
+        buffer = self._key_buffer
+        return (
+            buffer is not None and buffer.shape[2] >= end and buffer.shape[:2] == key_states.shape[:2]
+            and (self.get_seq_length() == 0 or self.keys.data_ptr() == buffer.data_ptr())
+        )
+
+    def _reserve(self, length: int, end: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        capacity = end + max(64, end // 2)
+        keys = key_states.new_empty((*key_states.shape[:2], capacity, key_states.shape[-1]))
+        values = value_states.new_empty((*value_states.shape[:2], capacity, value_states.shape[-1]))
+        if length:
+            keys[:, :, :length], values[:, :, :length] = self.keys, self.values
+        self._key_buffer, self._value_buffer = keys, values
+
+
 # CPU BLAS runs a matmul of 2 or 3 rows as separate matrix-vector products (2-3x the time of one row, more
 # than 4 rows take); padding a forward to 4 token rows makes small exploration/scoring steps cheaper.
 _MIN_GEMM_ROWS = 4
@@ -56,6 +133,7 @@ class Node:
 @dataclass
 class _Row:
     ids: list[int]
+    forwards: int = 0  # forward passes this row fed tokens to
     nodes: list[Node] = field(default_factory=list)
     children: dict[tuple[int, int], int] = field(default_factory=dict)
     node_logprobs: list[torch.Tensor] = field(default_factory=list)
@@ -77,8 +155,10 @@ class TreeBatch:
         counters: dict[str, int],
         prefix_cache: PromptPrefixCache | None = None,
         keep_hidden: bool = False,
+        head: OutputHead | None = None,
     ):
         self.model = model
+        self.head = head
         self.prefix_cache = prefix_cache
         self.keep_hidden = keep_hidden  # final-layer states, for policies that read them (TokenAdapter)
         self._hidden: torch.Tensor | None = None
@@ -103,6 +183,7 @@ class TreeBatch:
             mask[r, reused + width - len(suffix):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         self.cache = DynamicCache()
+        self.cache.layer_class_to_replicate = _GrowingLayer
         for index, (keys, values) in enumerate(self.prefix_cache.layers if reused else []):
             expand = (len(prompts), -1, -1, -1)
             self.cache.update(keys[:, :, :reused].expand(expand), values[:, :, :reused].expand(expand), index)
@@ -112,9 +193,12 @@ class TreeBatch:
             allowed = mask.bool()[:, None, :] & (columns[None, None, :] <= (reused + torch.arange(width))[None, :, None])
             allowed[:, torch.arange(width), reused + torch.arange(width)] = True  # padding attends to itself
             attention = self._attention_masks(allowed, positions[:, reused:], positions.to(self.device))
-        logits = self._run(input_ids, attention, positions[:, reused:], logits_to_keep=1)
-        self.root_logprobs = list(torch.log_softmax(logits[:, -1].float(), dim=-1))
-        self.root_hidden = list(self._hidden[:, -1]) if self.keep_hidden else []
+        last = torch.zeros_like(input_ids, dtype=torch.bool)
+        last[:, -1] = True
+        self.root_logprobs = list(self._run(input_ids, attention, positions[:, reused:], last))
+        self.root_hidden = list(self._hidden) if self.keep_hidden else []
+        for row in self.rows:
+            row.forwards += 1
         self.column_positions = positions.to(self.device)
         self.committed = mask.bool().to(self.device)
         self.counters["tokens"] += sum(len(s) for s in suffixes)
@@ -130,20 +214,32 @@ class TreeBatch:
             for layer in self.cache.layers
         ]
 
-    def _run(self, input_ids: torch.Tensor, mask, positions: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
-        output = self.model(
-            input_ids=input_ids.to(self.device),
-            attention_mask=mask.to(self.device) if isinstance(mask, torch.Tensor) else mask,
-            position_ids=positions.to(self.device),
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-            output_hidden_states=self.keep_hidden,
-            **{_cache_argument(self.model): self.cache},
-        )
-        if self.keep_hidden:
-            self._hidden = output.hidden_states[-1]
+    def _run(self, input_ids: torch.Tensor, mask, positions: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
+        """Forward new tokens; return log-distributions at the `wanted` positions (bool, batch x width), row-major."""
+        inputs = {
+            "input_ids": input_ids.to(self.device),
+            "attention_mask": mask.to(self.device) if isinstance(mask, torch.Tensor) else mask,
+            "position_ids": positions.to(self.device),
+            "use_cache": True,
+        }
+        wanted = wanted.to(self.device)
+        if self.head is not None:
+            hidden = self.head.decoder(**inputs, **{_cache_argument(self.head.decoder): self.cache}).last_hidden_state
+            hidden = hidden[wanted]
+            logits = self.head.logits(hidden)
+        else:
+            keep = input_ids.shape[1] - int(wanted.any(0).nonzero().min())
+            output = self.model(
+                **inputs,
+                logits_to_keep=keep,
+                output_hidden_states=self.keep_hidden,
+                **{_cache_argument(self.model): self.cache},
+            )
+            logits = output.logits[wanted[:, -keep:]]
+            hidden = output.hidden_states[-1][wanted] if self.keep_hidden else None
+        self._hidden = hidden if self.keep_hidden else None
         self.counters["forward_passes"] += 1
-        return output.logits
+        return torch.log_softmax(logits.float(), dim=-1)
 
     @torch.inference_mode()
     def feed(self, requests: list[list[tuple[int, int]]]) -> list[list[int]]:
@@ -154,11 +250,13 @@ class TreeBatch:
             width = -(-_MIN_GEMM_ROWS // batch)
         input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
         positions = torch.zeros((batch, width), dtype=torch.long)
+        wanted = torch.zeros((batch, width), dtype=torch.bool)
         allowed = torch.zeros((batch, width, existing + width), dtype=torch.bool)
         allowed[:, :, :existing] = self.committed[:, None, :].cpu()
         created: list[list[int]] = []
         for r, (row, request) in enumerate(zip(self.rows, requests)):
             created.append([])
+            row.forwards += bool(request)
             for k, (token, parent) in enumerate(request):
                 column = existing + k
                 ancestors = (row.nodes[parent].ancestor_columns if parent >= 0 else []) + [column]
@@ -167,17 +265,19 @@ class TreeBatch:
                 row.children[(parent, token)] = len(row.nodes) - 1
                 created[r].append(len(row.nodes) - 1)
                 input_ids[r, k] = token
+                wanted[r, k] = True
                 positions[r, k] = len(row.ids) + depth - 1
                 allowed[r, k, ancestors] = True
             for k in range(len(request), width):
                 allowed[r, k, existing + k] = True  # padding attends to itself only
         column_positions = torch.cat([self.column_positions, positions.to(self.device)], dim=1)
-        logits = self._run(input_ids, self._attention_masks(allowed, positions, column_positions), positions)
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        logprobs = self._run(input_ids, self._attention_masks(allowed, positions, column_positions), positions, wanted)
+        start = 0
         for r, nodes in enumerate(created):
-            self.rows[r].node_logprobs.extend(logprobs[r, : len(nodes)])
+            self.rows[r].node_logprobs.extend(logprobs[start : start + len(nodes)])
             if self.keep_hidden:
-                self.rows[r].node_hidden.extend(self._hidden[r, : len(nodes)])
+                self.rows[r].node_hidden.extend(self._hidden[start : start + len(nodes)])
+            start += len(nodes)
         self.column_positions = column_positions
         self.committed = torch.cat([self.committed, torch.zeros((batch, width), dtype=torch.bool, device=self.device)], 1)
         self.counters["tokens"] += sum(len(r) for r in requests)
@@ -282,6 +382,33 @@ class TreeBatch:
         for row in self.rows:
             row.nodes, row.children, row.node_logprobs, row.node_hidden = [], {}, [], []
         self.root_logprobs, self.root_hidden = roots, hidden
+
+
+    @torch.inference_mode()
+    def extend(self, other: "TreeBatch") -> None:
+        """Append the rows of `other` (same model, both between rounds) to this batch, so prompts can join a
+        running batch as others finish. The narrower cache is left-padded with masked columns."""
+        width = max(self.committed.shape[1], other.committed.shape[1])
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys = torch.cat([_left_pad(mine.keys, width, 2), _left_pad(theirs.keys, width, 2)])
+            mine.values = torch.cat([_left_pad(mine.values, width, 2), _left_pad(theirs.values, width, 2)])
+        self.committed = torch.cat([_left_pad(self.committed, width, 1), _left_pad(other.committed, width, 1)])
+        self.column_positions = torch.cat(
+            [_left_pad(self.column_positions, width, 1), _left_pad(other.column_positions, width, 1)]
+        )
+        self.rows += other.rows
+        self.root_logprobs += other.root_logprobs
+        self.root_hidden += other.root_hidden
+
+
+def _left_pad(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """Zero columns before `tensor` along `dim` up to `width` (zero means masked in the committed mask)."""
+    missing = width - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
 
 
 def _cache_argument(model: PreTrainedModel) -> str:

@@ -34,13 +34,18 @@ class RoundTrace:
 
 @dataclass
 class DecodingStats:
-    """Work done for one generation call (model counters cover the whole batch the prompt ran in)."""
+    """Work done for one generation call.
+
+    `forward_passes` and `tokens_processed` cover the whole batch the prompt ran in; `row_forward_passes` counts
+    the forward passes this prompt took part in, per model: what it would have needed decoded alone.
+    """
 
     rounds: int = 0
     words_per_round: list[int] = field(default_factory=list)
     explorations: int = 0
     new_tokens: int = 0
     forward_passes: dict[str, int] = field(default_factory=dict)
+    row_forward_passes: dict[str, int] = field(default_factory=dict)
     tokens_processed: dict[str, int] = field(default_factory=dict)
     batch_size: int = 1
     wall_time_s: float = 0.0

@@ -131,6 +131,18 @@ def test_batch_of_prompts_equals_each_alone(pair):
     assert together[0].stats.batch_size == 3
 
 
+def test_prompts_joining_a_running_batch_decode_as_alone(pair):
+    prompts = ["The quick brown fox", PROMPT * 3, "In 1969 the first humans", "Paris is", PROMPT, "Once upon a time"]
+    alone = [pair.generate(p, max_new_tokens=6 + 3 * (i % 3)) for i, p in enumerate(prompts)]
+    rolling = [
+        pair.generate(prompts, max_new_tokens=6 + 3 * i, max_batch_size=2)[i::3] for i in range(3)
+    ]  # three calls, so each prompt gets its own length budget and rows finish at different rounds
+    texts = {i + 3 * j: r.text for i, results in enumerate(rolling) for j, r in enumerate(results)}
+    assert [texts[i] for i in range(len(prompts))] == [r.text for r in alone]
+    with pytest.raises(ValueError, match="max_batch_size"):
+        pair.generate(prompts, max_batch_size=0)
+
+
 def test_generation_is_deterministic_and_counts_work(pair):
     a, b = pair.generate(PROMPT), pair.generate(PROMPT)
     assert a.text == b.text

@@ -2,6 +2,7 @@
 import asyncio
 
 import pytest
+import torch
 
 pytest.importorskip("langchain_core")
 pytest.importorskip("llama_index.core")
@@ -128,3 +129,21 @@ def test_llama_index_bad_input_errors(li_llm, pair):
         li_llm.complete(" ")
     with pytest.raises(ValueError, match="num_branches"):
         LlamaIndexLLM(engine=pair, num_branches=0)
+
+
+def test_learned_fusion_gate_is_a_decoding_option_in_both_frameworks(pair, tmp_path):
+    from adafuse.fusion_gate import FusionGate
+
+    gate = FusionGate([b.model.config.get_text_config().hidden_size for b in pair.backends], pair.model_names)
+    with torch.no_grad():  # a gate that always commits decodes like tau_delta=0
+        gate.policy[-1].weight.zero_()
+        gate.policy[-1].bias.copy_(torch.tensor([-10.0, 10.0]))
+    folder = str(gate.save(tmp_path / "gate"))
+    expected = pair.generate(PROMPT, tau_delta=0.0, max_new_tokens=8).text
+    assert LangChainLLM(engine=pair, max_new_tokens=8, fusion_gate=folder).invoke(PROMPT) == expected
+    assert LangChainLLM(engine=pair, max_new_tokens=8).invoke(PROMPT, fusion_gate=folder) == expected
+    assert LlamaIndexLLM(engine=pair, max_new_tokens=8, fusion_gate=folder).complete(PROMPT).text == expected
+    with pytest.raises(FileNotFoundError, match="no fusion gate"):
+        LlamaIndexLLM(engine=pair, fusion_gate=str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="no fusion gate"):
+        LangChainLLM(engine=pair, fusion_gate=str(tmp_path / "missing"))

@@ -1,6 +1,8 @@
 """Word boundaries from the vocabulary, and the KV tree against full re-encoding."""
 import torch
 
+from adafuse.kv_tree import OutputHead, TreeBatch
+from adafuse.cpu_kernels import CPU_ATTENTION, PackedLinear, pack_linear_layers, prepare_for_cpu
 from adafuse.words import word_start_table
 from conftest import full_logprobs
 
@@ -79,3 +81,76 @@ def test_shared_prompt_prefix_is_reused_and_exact(llama_backend, gemma_backend):
 def test_unrelated_prompt_reuses_nothing(llama_backend):
     llama_backend.start([llama_backend.encode_prompt(PROMPT * 2)])
     assert llama_backend.prefix_cache.reusable([llama_backend.encode_prompt("The quick brown fox jumps")]) == 0
+
+
+def test_output_head_split_is_checked_against_the_full_model(llama_backend):
+    head = OutputHead.of(llama_backend.model)
+    assert head is not None and head.projection is llama_backend.model.get_output_embeddings()
+
+    class ScaledLogits(torch.nn.Module):  # logits that are not the projection of the decoder's output
+        def __init__(self, model):
+            super().__init__()
+            self.model, self.config, self.device = model, model.config, model.device
+
+        def get_decoder(self):
+            return self.model.get_decoder()
+
+        def get_output_embeddings(self):
+            return self.model.get_output_embeddings()
+
+        def forward(self, **inputs):
+            output = self.model(**inputs)
+            output.logits = output.logits * 2
+            return output
+
+    assert OutputHead.of(ScaledLogits(llama_backend.model)) is None
+
+
+def test_tree_without_split_head_matches_full_reencoding(gemma_backend):
+    prompts = [gemma_backend.encode_prompt(PROMPT), gemma_backend.encode_prompt("The quick brown fox")]
+    span = gemma_backend.encode_piece(" jumps over")
+    split = gemma_backend.start(prompts, keep_hidden=True)
+    whole = TreeBatch(gemma_backend.model, prompts, gemma_backend.pad_token_id, {"forward_passes": 0, "tokens": 0},
+                      keep_hidden=True)
+    for batch in (split, whole):
+        batch.ensure_paths([[span], [span[:1]]])
+    assert split.head is not None and whole.head is None
+    for r, prompt in enumerate(prompts):
+        assert torch.allclose(whole.root_logprobs[r], full_logprobs(gemma_backend, prompt), atol=1e-4)
+        assert torch.allclose(whole.root_hidden[r], split.root_hidden[r], atol=1e-5)
+        tokens = span if r == 0 else span[:1]
+        node = whole.path_nodes(r, tokens)[-1]
+        assert torch.allclose(whole.logprobs(r, node), full_logprobs(gemma_backend, prompt + tokens), atol=1e-4)
+        assert torch.allclose(whole.rows[r].node_hidden[node], split.rows[r].node_hidden[node], atol=1e-5)
+
+
+def test_packed_linear_layers_give_the_same_logits(byte_level_tokenizer):
+    from conftest import _llama
+
+    plain, packed = _llama(byte_level_tokenizer, seed=3), _llama(byte_level_tokenizer, seed=3)
+    head_weight = packed.get_output_embeddings().weight
+    assert pack_linear_layers(packed) == sum(isinstance(m, torch.nn.Linear) for m in plain.modules())
+    assert isinstance(packed.get_output_embeddings(), PackedLinear)
+    assert packed.get_output_embeddings().weight is head_weight  # the same parameter (ties and state dict kept)
+    ids = torch.tensor([[1, 5, 9, 14, 3]])
+    with torch.inference_mode():
+        assert torch.allclose(plain(ids).logits, packed(ids).logits, atol=1e-4)
+    loss = packed(ids, labels=ids).loss  # with gradients on, the dense weight is used, so training still works
+    loss.backward()
+    assert packed.get_output_embeddings().weight.grad is not None
+
+
+def test_cpu_kernels_give_the_same_logits_with_tree_masks(metaspace_tokenizer):
+    from conftest import _gemma
+
+    plain, fast = _gemma(metaspace_tokenizer, seed=4), _gemma(metaspace_tokenizer, seed=4)
+    prepare_for_cpu(fast)
+    assert fast.config._attn_implementation == CPU_ATTENTION  # grouped-query attention (4 heads, 1 KV head)
+    ids = torch.tensor([[2, 7, 11, 5, 9, 30, 12, 4, 8, 19, 3, 6]])
+    allowed = torch.ones(12, 12).tril().bool()
+    allowed[8:, 5:8] = False  # a tree mask: the last tokens skip a sibling branch
+    mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[None, None]
+    with torch.inference_mode():
+        for attention_mask in (None, {"full_attention": mask, "sliding_attention": mask}):
+            assert torch.allclose(plain(ids, attention_mask=attention_mask).logits,
+                                  fast(ids, attention_mask=attention_mask).logits, atol=1e-4)
