@@ -231,9 +231,9 @@ class AdaFuse:
         joining = [backend.start(ids, keep_hidden) for backend, ids in zip(self.backends, encoded)]
         if not batches:
             batches.extend(joining)
+            return
         for batch, new in zip(batches, joining):
-            if batch is not new:
-                batch.extend(new)
+            batch.extend(new)
 
     def _start(self, prompts: list[Prompt], config: FusionConfig) -> list[TreeBatch]:
         """Encode prompts for each model and prefill every model's cache with all of them."""

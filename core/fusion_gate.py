@@ -91,11 +91,14 @@ class GateSession:
     @torch.inference_mode()
     def decide(self, model_index: int, hidden: torch.Tensor, logprobs: torch.Tensor, remaining: torch.Tensor,
                words: torch.Tensor, max_words: int) -> tuple[list[bool], list[GateDecision]]:
-        """Commit (True) or explore for each of n states; the decisions are returned for the caller to file."""
+        """Commit (True) or explore for each of n states, and, when sampling for training, the decisions made
+        (copied off the hot path otherwise)."""
         features = FusionGate.step_features(logprobs, remaining, words, max_words)
         policy = torch.softmax(self.gate(model_index, hidden, features), dim=-1)
         actions = torch.multinomial(policy, 1, generator=self.generator).flatten() if self.sample else policy.argmax(-1)
         actions = actions.tolist()
+        if not self.sample:
+            return [a == COMMIT for a in actions], []
         decisions = [GateDecision(model_index, h.float().cpu(), f.cpu(), a) for h, f, a in zip(hidden, features, actions)]
         return [a == COMMIT for a in actions], decisions
 
