@@ -28,9 +28,9 @@ def main() -> None:
     forwards: dict[tuple[str, str, int, int], list[float]] = defaultdict(lambda: [0, 0.0])
     run = kv_tree.TreeBatch._run
 
-    def timed(self, input_ids, mask, positions, wanted):
+    def timed(self, input_ids, *args):
         started = time.perf_counter()
-        logprobs = run(self, input_ids, mask, positions, wanted)
+        logprobs = run(self, input_ids, *args)
         kind = "step" if hasattr(self, "root_logprobs") else "prefill"
         entry = forwards[(self.model.config.model_type, kind, *input_ids.shape)]
         entry[0] += 1

@@ -148,6 +148,25 @@ class _Adapter(nn.Module):
         return adapter.eval()
 
     @classmethod
+    def from_name(cls, name_or_path: str) -> "_Adapter":
+        """From a folder, or by the name of one shipped in `adafuse/adapter_weights`."""
+        folder = Path(name_or_path)
+        if not folder.exists() and (SHIPPED / name_or_path).exists():
+            folder = SHIPPED / name_or_path
+        if not (folder / "adapter_config.json").exists():
+            raise FileNotFoundError(
+                f"no {cls.kind.replace('_', ' ')} adapter at {name_or_path!r}: give a folder saved by {cls.__name__}.save "
+                f"or one of {cls.shipped()}"
+            )
+        return cls.load(folder)
+
+    @classmethod
+    def shipped(cls) -> list[str]:
+        """Names of the shipped adapters of this kind."""
+        folders = sorted(SHIPPED.glob("*/adapter_config.json")) if SHIPPED.exists() else []
+        return [f.parent.name for f in folders if json.loads(f.read_text()).get("kind") == cls.kind]
+
+    @classmethod
     def _from_config(cls, config: dict[str, Any]) -> "_Adapter":
         return cls(**config)
 

@@ -23,7 +23,7 @@ from .sampling import filtered_probs
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "AdaptiveSampler", "CANDIDATE_CHOICES", "Rollout", "Task", "arithmetic_tasks", "benchmark_tasks", "best_of", "majority_answer",
+    "AdaptiveSampler", "CANDIDATE_CHOICES", "Rollout", "Task", "arithmetic_tasks", "benchmark_tasks", "best_of", "majority_answer", "majority_index",
     "prompt_embeddings", "reward_table", "train_sequence_adapter", "train_token_adapter",
 ]
 
@@ -36,6 +36,7 @@ class Rollout:
 
     text: str
     finish_reason: str
+    new_tokens: int = 0
     hidden: list[torch.Tensor] = field(default_factory=list)
     features: list[torch.Tensor] = field(default_factory=list)
     actions: list[int] = field(default_factory=list)
@@ -57,26 +58,35 @@ class AdaptiveSampler:
         self.backend, self.adapter = backend, adapter
 
     @torch.inference_mode()
-    def sample(self, prompts: list[str], *, choice: SamplingChoice = GREEDY, max_new_tokens: int = 64,
-               stop: tuple[str, ...] = (), generator: torch.Generator | None = None, explore: bool = False) -> list[Rollout]:
-        """With an adapter, its policy picks each step's temperature (sampled when `explore`, else argmax)."""
+    def sample(self, prompts: list[str], *, choice: SamplingChoice | list[SamplingChoice] = GREEDY, max_new_tokens: int = 64,
+               stop: tuple[str, ...] = (), generator: torch.Generator | None = None, explore: bool = False,
+               samples_per_prompt: int = 1) -> list[Rollout]:
+        """`samples_per_prompt` rollouts of each prompt (prompt-major), sharing its prefill. `choice` is one
+        configuration or one per prompt. With an adapter, its policy picks each step's temperature (sampled
+        when `explore`, else argmax)."""
         backend = self.backend
+        choices = list(choice) if isinstance(choice, list) else [choice] * len(prompts)
+        row_choices = [c for c in choices for _ in range(samples_per_prompt)]
         batch = backend.start([backend.encode_prompt(p) for p in prompts], keep_hidden=self.adapter is not None)
-        rollouts = [Rollout("", "length") for _ in prompts]
-        generated: list[list[int]] = [[] for _ in prompts]
-        active = list(range(len(prompts)))
+        if samples_per_prompt > 1:
+            batch.repeat_rows(samples_per_prompt)
+        rollouts = [Rollout("", "length") for _ in row_choices]
+        generated: list[list[int]] = [[] for _ in row_choices]
+        active = list(range(len(row_choices)))
         for step in range(max_new_tokens):
             logprobs = torch.stack(batch.root_logprobs)
-            temperatures = self._temperatures(batch, logprobs, 1 - step / max_new_tokens, [rollouts[r] for r in active], explore, generator, choice)
+            temperatures = self._temperatures(batch, logprobs, 1 - step / max_new_tokens, [rollouts[r] for r in active],
+                                              explore, generator, [row_choices[r] for r in active])
             spans: list[list[int] | None] = []
             for position, r in enumerate(active):
-                token = self._pick(logprobs[position], temperatures[position], choice, generator)
+                token = self._pick(logprobs[position], temperatures[position], row_choices[r], generator)
                 rollout = rollouts[r]
                 rollout.max_probs.append(float(logprobs[position].max().exp()))
                 if token in backend.end_ids:
                     rollout.finish_reason = "eos"
                 else:
                     generated[r].append(token)
+                    rollout.new_tokens += 1
                     rollout.text = backend.decode(generated[r])
                     hits = [i for i in (rollout.text.find(s) for s in stop) if i >= 0]
                     if hits:
@@ -90,9 +100,9 @@ class AdaptiveSampler:
         return rollouts
 
     def _temperatures(self, batch, logprobs, remaining: float, rollouts: list[Rollout], explore: bool,
-                      generator: torch.Generator | None, choice: SamplingChoice) -> list[float]:
+                      generator: torch.Generator | None, choices: list[SamplingChoice]) -> list[float]:
         if self.adapter is None:
-            return [choice.temperature] * len(rollouts)
+            return [c.temperature for c in choices]
         hidden = torch.stack(batch.root_hidden).float()
         features = TokenAdapter.step_features(logprobs, torch.full((len(rollouts),), remaining))
         policy = torch.softmax(self.adapter(hidden, features), dim=-1)
@@ -177,9 +187,9 @@ def train_token_adapter(
     rng = random.Random(seed)
     for step in tqdm(range(start, steps), desc="train token adapter", initial=start, total=steps):
         chosen = [tasks[rng.randrange(len(tasks))] for _ in range(prompts_per_step)]
-        prompts = [task.prompt for task in chosen for _ in range(samples_per_prompt)]
         adapter.eval()
-        rollouts = sampler.sample(prompts, max_new_tokens=max_new_tokens, stop=("\n",), generator=generator, explore=True)
+        rollouts = sampler.sample([task.prompt for task in chosen], max_new_tokens=max_new_tokens, stop=("\n",),
+                                  generator=generator, explore=True, samples_per_prompt=samples_per_prompt)
         rewards = torch.tensor([float(task.check(r.text)) for task, r in zip(
             (t for t in chosen for _ in range(samples_per_prompt)), rollouts)]).view(prompts_per_step, samples_per_prompt)
         useful = informative_prompts(rewards)
@@ -228,18 +238,26 @@ def prompt_embeddings(backend: ModelBackend, prompts: list[str]) -> torch.Tensor
     return torch.stack(embeddings)
 
 
+def majority_index(completions: list[str]) -> int:
+    """Index of the earliest sample whose first-line answer is the most frequent among parallel samples."""
+    answers = [_answer_line(c) for c in completions]
+    return max(range(len(answers)), key=lambda i: (answers.count(answers[i]), -i))
+
+
 def majority_answer(completions: list[str]) -> str:
     """The most frequent first-line answer among parallel samples (earliest wins ties)."""
-    answers = [c.strip().split("\n")[0].strip() for c in completions]
-    counts = {a: answers.count(a) for a in answers}
-    return max(answers, key=lambda a: counts[a]) if answers else ""
+    return _answer_line(completions[majority_index(completions)]) if completions else ""
+
+
+def _answer_line(completion: str) -> str:
+    return completion.strip().split("\n")[0].strip()
 
 
 def best_of(sampler: AdaptiveSampler, tasks: list[Task], choice: SamplingChoice, budget: int, max_new_tokens: int,
             generator: torch.Generator) -> list[bool]:
     """Draw `budget` samples per task with one configuration, majority-vote, and check each voted answer."""
-    prompts = [task.prompt for task in tasks for _ in range(budget)]
-    rollouts = sampler.sample(prompts, choice=choice, max_new_tokens=max_new_tokens, stop=("\n",), generator=generator)
+    rollouts = sampler.sample([task.prompt for task in tasks], choice=choice, max_new_tokens=max_new_tokens, stop=("\n",),
+                              generator=generator, samples_per_prompt=budget)
     return [task.check(majority_answer([r.text for r in rollouts[i * budget:(i + 1) * budget]])) for i, task in enumerate(tasks)]
 
 

@@ -27,6 +27,9 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable; use '\\n' for newline)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--fusion-gate", default=None, help="folder or shipped name of a learned gate used instead of --tau-delta")
+    parser.add_argument("--token-adapter", default=None, help="sample with the adapter's model, a learned temperature per step")
+    parser.add_argument("--sequence-adapter", default=None, help="sample with the adapter's model, a learned configuration per prompt")
+    parser.add_argument("--num-samples", type=int, default=defaults.num_samples, help="parallel samples, majority-voted (with an adapter)")
     parser.add_argument("--device-map", default=None, help="e.g. cuda, auto, cpu")
     parser.add_argument("--dtype", default=None, help="e.g. float32, bfloat16 (default: the checkpoint's)")
 
@@ -44,6 +47,9 @@ def _generate(args: argparse.Namespace) -> int:
         stop=[s.encode().decode("unicode_escape") for s in args.stop],
         seed=args.seed,
         fusion_gate=args.fusion_gate,
+        token_adapter=args.token_adapter,
+        sequence_adapter=args.sequence_adapter,
+        num_samples=args.num_samples,
     ).validate(len(args.models))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt.encode().decode("unicode_escape") if args.escapes else args.prompt
     load_started = time.perf_counter()

@@ -10,6 +10,9 @@ FusionUnit = Literal["word", "token"]
 
 __all__ = ["FusionConfig"]
 
+# Fields whose None is a setting (off), so an override of None replaces them instead of being ignored.
+_NULLABLE = ("fixed_span_words", "max_rounds", "model_weights", "fusion_gate", "token_adapter", "sequence_adapter")
+
 
 @dataclass
 class FusionConfig:
@@ -34,6 +37,11 @@ class FusionConfig:
         token_top_k: tokens each model contributes per round in "token" mode.
         fusion_gate: folder (or shipped name) of a learned `FusionGate` that makes the commit/explore decision
             in place of tau_delta.
+        token_adapter, sequence_adapter: folder (or shipped name) of a learned decoding adapter (arXiv
+            2603.09065). Either one switches from fusion to adaptive sampling with the model the adapter was
+            trained for (one of the fused models): the sequence adapter picks a sampling configuration per
+            prompt, the token adapter a temperature at every step.
+        num_samples: parallel samples per prompt under adaptive sampling; the majority answer is returned.
     """
 
     tau_delta: float = 0.7
@@ -54,6 +62,9 @@ class FusionConfig:
     unit: FusionUnit = "word"
     token_top_k: int = 10
     fusion_gate: str | None = None
+    token_adapter: str | None = None
+    sequence_adapter: str | None = None
+    num_samples: int = 1
 
     def validate(self, num_models: int | None = None) -> "FusionConfig":
         """Raise ValueError naming the first parameter out of range; return self."""
@@ -73,6 +84,10 @@ class FusionConfig:
             ("unit", self.unit in ("word", "token"), "'word' or 'token'"),
             ("token_top_k", self.token_top_k >= 1, "at least 1"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "a list of non-empty strings"),
+            ("num_samples", self.num_samples == 1 or (self.num_samples > 1 and self.samples_adaptively),
+             "1, or more with a token_adapter or sequence_adapter (fused decoding is deterministic)"),
+            ("fusion_gate", self.fusion_gate is None or not self.samples_adaptively,
+             "None when a token_adapter or sequence_adapter samples instead of fusing"),
         ]
         for name, ok, expected in checks:
             if not ok:
@@ -84,6 +99,11 @@ class FusionConfig:
                 raise ValueError(f"invalid model_weights={self.model_weights!r}: expected {num_models} weights, one per model")
         return self
 
+    @property
+    def samples_adaptively(self) -> bool:
+        """Whether a learned decoding adapter replaces fusion with adaptive single-model sampling."""
+        return self.token_adapter is not None or self.sequence_adapter is not None
+
     def update(self, **overrides: Any) -> "FusionConfig":
         """A copy with the given fields replaced; unknown names raise ValueError."""
         known = {f.name for f in dataclasses.fields(self)}
@@ -92,7 +112,7 @@ class FusionConfig:
             raise ValueError(f"unknown decoding parameter(s) {unknown}; known: {sorted(known)}")
         if isinstance(overrides.get("stop"), str):
             overrides["stop"] = [overrides["stop"]]
-        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None or k in ("fixed_span_words", "max_rounds", "model_weights", "fusion_gate")})
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None or k in _NULLABLE})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -13,6 +13,9 @@ the copy (2.5x faster attention for a batch of 8 rows).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import nn
@@ -22,9 +25,32 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PackedLinear", "pack_linear_layers", "prepare_for_cpu", "use_grouped_query_attention"]
+__all__ = ["MIN_GEMM_ROWS", "PackedLinear", "pack_linear_layers", "prepare_for_cpu", "real_tokens", "use_grouped_query_attention"]
 
 CPU_ATTENTION = "adafuse_cpu_sdpa"
+
+# CPU BLAS runs a matmul of 2 or 3 rows as separate matrix-vector products (2-3x the time of one row, more
+# than 4 rows take), so small products are padded up to 4 rows.
+MIN_GEMM_ROWS = 4
+
+# (positions in the forward, flat indices of the real ones) while `real_tokens` is active.
+_REAL_TOKENS: ContextVar[tuple[int, torch.Tensor] | None] = ContextVar("adafuse_real_tokens", default=None)
+
+
+@contextmanager
+def real_tokens(real: torch.Tensor) -> Iterator[None]:
+    """Within this block, packed linear layers compute only the positions where `real` (batch x width, bool)
+    is True and give zeros at padding. Linear layers act on each position alone, so real positions are
+    unchanged; a padded batch of rows with uneven numbers of new tokens stops paying for its padding."""
+    flat = real.flatten()
+    index = flat.nonzero().flatten()
+    if len(index) < MIN_GEMM_ROWS:
+        index = torch.cat([index, (~flat).nonzero().flatten()[: MIN_GEMM_ROWS - len(index)]]).sort().values
+    token = _REAL_TOKENS.set((flat.numel(), index.to(real.device)) if len(index) < flat.numel() else None)
+    try:
+        yield
+    finally:
+        _REAL_TOKENS.reset(token)
 
 
 class PackedLinear(nn.Module):
@@ -41,7 +67,15 @@ class PackedLinear(nn.Module):
         if torch.is_grad_enabled() and (inputs.requires_grad or self.weight.requires_grad):
             return nn.functional.linear(inputs, self.weight, self.bias)  # the packed op has no backward
         bias = None if self.bias is None else self.bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(inputs, self.packed, bias, "none", [], "")
+        subset = _REAL_TOKENS.get()
+        if subset is None or inputs.shape[:-1].numel() != subset[0]:
+            return torch.ops.mkldnn._linear_pointwise(inputs, self.packed, bias, "none", [], "")
+        positions = subset[1]
+        real = torch.ops.mkldnn._linear_pointwise(inputs.reshape(-1, self.in_features).index_select(0, positions),
+                                                  self.packed, bias, "none", [], "")
+        output = inputs.new_zeros((*inputs.shape[:-1], self.out_features))
+        output.view(-1, self.out_features).index_copy_(0, positions, real)
+        return output
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

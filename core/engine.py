@@ -5,18 +5,20 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .adapters import SamplingChoice, SequenceAdapter, TokenAdapter, _Adapter
+from .adaptive import AdaptiveSampler, majority_index, prompt_embeddings
 from .backend import ModelBackend
 from .chat import Message
 from .config import FusionConfig
-from .fusion_gate import FusionGate, GateDecision, GateSession, load_gate
+from .fusion_gate import FusionGate, GateDecision, GateSession
 from .kv_tree import TreeBatch
-from .proposals import RowProposals, propose
+from .proposals import RowProposals, propose_row
 from .result import CandidateTrace, DecodingStats, GenerationResult, RoundTrace
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,24 @@ class _RowState:
     stats: DecodingStats = field(default_factory=DecodingStats)
     trace: list[RoundTrace] | None = None
     gate_decisions: list[GateDecision] = field(default_factory=list)
+    task: Generator | None = None  # the row's rounds, a coroutine driven by the loop
+    pieces: list[str] = field(default_factory=list)  # text safe to emit, not yet handed out
+
+    def take_pieces(self) -> list[str]:
+        pieces, self.pieces = self.pieces, []
+        return pieces
+
+
+@dataclass
+class _LoopContext:
+    """What every row's coroutine shares within one `_decode` call."""
+
+    batches: list[TreeBatch]
+    active: list[int]
+    config: FusionConfig
+    gate: GateSession | None
+    generator: torch.Generator
+    weights: torch.Tensor
 
 
 class AdaFuse:
@@ -62,7 +82,7 @@ class AdaFuse:
             raise ValueError("AdaFuse needs at least one model")
         self.backends = list(backends)
         self._lock = threading.Lock()
-        self._gates: dict[str, FusionGate] = {}
+        self._policies: dict[tuple[str, str], _Adapter] = {}
         self.config = self.check_config(config or FusionConfig())
 
     @classmethod
@@ -137,6 +157,7 @@ class AdaFuse:
         """Validate `config` for these models, loading its fusion gate if it names one; return it."""
         config.validate(len(self.backends))
         self._gate_session(config)
+        self._sampling_policies(config)
         return config
 
     # ------------------------------------------------------------------ the loop
@@ -148,8 +169,14 @@ class AdaFuse:
         max_batch_size: int | None = None,
         gate: GateSession | None = None,
     ) -> Iterator[tuple[int, str | GenerationResult]]:
+        """Every prompt runs its own rounds as a coroutine (`_rounds`); each step runs one forward per model over
+        whatever scratch tokens every row needs next, whichever phase of its round a row is in, so rows never
+        wait for each other's rounds."""
         if not prompts:
             raise ValueError("no prompt given")
+        if config.samples_adaptively:
+            yield from self._sample(prompts, config)
+            return
         gate = gate or self._gate_session(config)
         with self._lock:
             started = time.perf_counter()
@@ -159,9 +186,14 @@ class AdaFuse:
             rows = [_RowState(trace=[] if trace else None) for _ in prompts]
             waiting, active = deque(range(len(prompts))), []  # active: row index of each batch position
             batches: list[TreeBatch] = []
-            generator = torch.Generator(device=self.backends[0].model.device).manual_seed(config.seed)
-            weights = torch.tensor(config.model_weights or [1.0] * len(self.backends))
-            weights = weights / weights.sum()
+            context = _LoopContext(
+                batches, active, config, gate,
+                torch.Generator(device=self.backends[0].model.device).manual_seed(config.seed),
+                torch.tensor(config.model_weights or [1.0] * len(self.backends)),
+            )
+            context.weights = context.weights / context.weights.sum()
+            needs: dict[int, dict[int, list[tuple[int, int]]]] = {}
+            fed: dict[int, dict[int, list[int]]] = {}
             capacity = max_batch_size or len(prompts)
             while active or waiting:
                 free = capacity - len(active)
@@ -169,33 +201,23 @@ class AdaFuse:
                     joining = [waiting.popleft() for _ in range(min(len(waiting), free))]
                     self._join(batches, [[ids[r] for r in joining] for ids in encoded], keep_hidden=gate is not None)
                     active += joining
-                if config.unit == "token":
-                    proposals, pools = [], [self._token_pool(batches, position, config) for position in range(len(active))]
-                    scores = [self._token_scores(batches, position, pool, weights) for position, pool in enumerate(pools)]
-                else:
-                    budgets = [config.max_new_tokens - rows[r].new_tokens for r in active]
-                    proposals = [
-                        propose(b, batch, config, budgets, generator, gate, m)
-                        for m, (b, batch) in enumerate(zip(self.backends, batches))
-                    ]
-                    pools = [self._pool(position, proposals) for position in range(len(active))]
-                    scores = self._score(batches, pools, weights)
-                spans: list[list[list[int]] | list[None]] = [[] for _ in self.backends]
-                for position, r in enumerate(active):
-                    state, pool = rows[r], pools[position]
-                    best = min(range(len(pool)), key=lambda c: scores[position][1][c])
-                    chosen = pool[best]
-                    self._record_round(state, position, proposals, pool, scores[position], chosen)
-                    piece = self._append(state, chosen, config)
-                    if piece:
-                        yield r, piece
-                    for m, backend in enumerate(self.backends):
-                        spans[m].append(None if state.finish_reason else backend.encode_piece(chosen.text))
-                        if state.finish_reason:
-                            state.stats.row_forward_passes[backend.name] = batches[m].rows[position].forwards
+                    for r in joining:
+                        rows[r].task = self._rounds(r, rows[r], context)
+                finished = []
+                for r in active:
+                    try:
+                        needs[r] = rows[r].task.send(fed.get(r))
+                    except StopIteration:
+                        finished.append(r)
+                    yield from ((r, piece) for piece in rows[r].take_pieces())
+                self._retire(finished, rows, context)
+                fed = {r: {} for r in active}
                 for m, batch in enumerate(batches):
-                    batch.commit(spans[m])
-                active = [r for r in active if rows[r].finish_reason is None]
+                    requests = [needs[r].get(m, []) for r in active]
+                    if any(requests):
+                        for r, request, nodes in zip(active, requests, batch.feed(requests)):
+                            if request:
+                                fed[r][m] = nodes
             elapsed = time.perf_counter() - started
             counters = [b.reset_counters() for b in self.backends]
             for r, state in enumerate(rows):
@@ -210,21 +232,156 @@ class AdaFuse:
                     yield r, state.text[state.emitted:]
                 yield r, GenerationResult(state.text, state.finish_reason, state.stats, state.trace)
 
+    def _retire(self, finished: list[int], rows: list[_RowState], context: _LoopContext) -> None:
+        """Drop finished rows from every batch (keeping the forward passes each took part in) and reclaim dead
+        cache columns when they pile up."""
+        keep = [position for position, r in enumerate(context.active) if r not in finished]
+        for backend, batch in zip(self.backends, context.batches):
+            for position, r in enumerate(context.active):
+                if r in finished:
+                    rows[r].stats.row_forward_passes[backend.name] = batch.rows[position].forwards
+            batch.compact(keep)
+        context.active[:] = [r for r in context.active if r not in finished]
+
+    def _rounds(self, r: int, state: _RowState, context: _LoopContext) -> Generator[dict[int, list[tuple[int, int]]], dict[int, list[int]], None]:
+        """One prompt's rounds, as a coroutine: it yields the scratch tokens it needs run, per model, and is sent
+        the node ids they got; it returns when the prompt is finished."""
+        config, batches = context.config, context.batches
+        while True:
+            if config.unit == "token":
+                proposals = None
+                pool = self._token_pool(batches, context.active.index(r), config)
+                scores = self._token_scores(batches, context.active.index(r), pool, context.weights)
+            else:
+                proposals = yield from self._propose(r, state, context)
+                pool = self._pool(proposals)
+                paths = [[backend.encode_piece(c.text) for c in pool] for backend in self.backends]
+                yield from self._feed_missing(r, paths, context)
+                scores = self._score(batches, context.active.index(r), pool, paths, context.weights)
+            chosen = pool[min(range(len(pool)), key=lambda c: scores[1][c])]
+            self._record_round(state, proposals, pool, scores, chosen)
+            piece = self._append(state, chosen, config)
+            if piece:
+                state.pieces.append(piece)
+            if state.finish_reason:
+                return
+            spans = [backend.encode_piece(chosen.text) for backend in self.backends]
+            yield from self._feed_missing(r, [[span] for span in spans], context)
+            position = context.active.index(r)
+            for batch, span in zip(batches, spans):
+                batch.commit_row(position, span)
+
+    def _propose(self, r: int, state: _RowState, context: _LoopContext) -> Generator[dict, dict, list[RowProposals]]:
+        """Run every model's proposal coroutine for row r side by side; return their proposals."""
+        position = context.active.index(r)
+        budget = context.config.max_new_tokens - state.new_tokens
+        runs = {
+            m: propose_row(backend, batch.root_logprobs[position], batch.root_hidden[position] if batch.keep_hidden else None,
+                           context.config, budget, context.generator, context.gate, m)
+            for m, (backend, batch) in enumerate(zip(self.backends, context.batches))
+        }
+        results: dict[int, RowProposals] = {}
+        needs: dict[int, list[tuple[int, int]]] = {}
+        for m, run in runs.items():
+            try:
+                needs[m] = next(run)
+            except StopIteration as done:
+                results[m] = done.value
+        while needs:
+            fed = yield needs
+            position = context.active.index(r)
+            for m in list(needs):
+                batch = context.batches[m]
+                nodes = fed[m]
+                feedback = (
+                    nodes,
+                    torch.stack([batch.logprobs(position, n) for n in nodes]),
+                    torch.stack([batch.rows[position].node_hidden[n] for n in nodes]) if batch.keep_hidden else None,
+                )
+                try:
+                    needs[m] = runs[m].send(feedback)
+                except StopIteration as done:
+                    results[m] = done.value
+                    del needs[m]
+        return [results[m] for m in range(len(self.backends))]
+
+    @staticmethod
+    def _feed_missing(r: int, paths: list[list[list[int]]], context: _LoopContext) -> Generator[dict, dict, None]:
+        """Yield the tokens of `paths` (per model) not yet in row r's trees, if any, to be run at the next step."""
+        position = context.active.index(r)
+        needs = {m: batch.missing(position, model_paths) for m, (batch, model_paths) in enumerate(zip(context.batches, paths))}
+        needs = {m: request for m, request in needs.items() if request}
+        if needs:
+            yield needs
+
     def _gate_session(self, config: FusionConfig) -> GateSession | None:
         """The learned gate named by `config.fusion_gate` (loaded once), checked against these models."""
         if config.fusion_gate is None or config.unit == "token":
             return None
-        gate = self._gates.get(config.fusion_gate)
-        if gate is None:
-            gate = load_gate(config.fusion_gate)
-            sizes = [b.model.config.get_text_config().hidden_size for b in self.backends]
-            if gate.hidden_sizes != sizes:
-                raise ValueError(
-                    f"fusion gate {config.fusion_gate!r} was trained for models {gate.model_names or gate.hidden_sizes} "
-                    f"(hidden sizes {gate.hidden_sizes}), not these ({self.model_names}, hidden sizes {sizes})"
-                )
-            self._gates[config.fusion_gate] = gate
+        gate = self._policy(FusionGate, config.fusion_gate)
+        sizes = [_hidden_size(b) for b in self.backends]
+        if gate.hidden_sizes != sizes:
+            raise ValueError(
+                f"fusion gate {config.fusion_gate!r} was trained for models {gate.model_names or gate.hidden_sizes} "
+                f"(hidden sizes {gate.hidden_sizes}), not these ({self.model_names}, hidden sizes {sizes})"
+            )
         return GateSession(gate)
+
+    def _sampling_policies(self, config: FusionConfig) -> tuple[ModelBackend, TokenAdapter | None, SequenceAdapter | None] | None:
+        """The decoding adapters named by `config` (loaded once) and the one of these models they were trained for."""
+        if not config.samples_adaptively:
+            return None
+        token = self._policy(TokenAdapter, config.token_adapter) if config.token_adapter else None
+        sequence = self._policy(SequenceAdapter, config.sequence_adapter) if config.sequence_adapter else None
+        bases = sorted({a.base_model for a in (token, sequence) if a is not None})
+        if len(bases) > 1:
+            raise ValueError(f"token_adapter and sequence_adapter were trained for different models: {bases}")
+        backend = next((b for b in self.backends if b.name == bases[0]), None)
+        if backend is None:
+            raise ValueError(f"the decoding adapter was trained for model {bases[0]!r}, which is not one of {self.model_names}")
+        sizes = ([token.hidden_size] if token else []) + ([sequence.embed_dim] if sequence else [])
+        if any(size != _hidden_size(backend) for size in sizes):
+            raise ValueError(f"the decoding adapter's input size {sizes} does not match model {backend.name!r} "
+                             f"(hidden size {_hidden_size(backend)})")
+        return backend, token, sequence
+
+    def _policy(self, kind: type[_Adapter], name: str) -> _Adapter:
+        policy = self._policies.get((kind.kind, name))
+        if policy is None:
+            policy = self._policies[(kind.kind, name)] = kind.from_name(name)
+        return policy
+
+    def _sample(self, prompts: list[Prompt], config: FusionConfig) -> Iterator[tuple[int, str | GenerationResult]]:
+        """Adaptive sampling (arXiv 2603.09065) with the adapters' model: the sequence adapter picks each prompt's
+        sampling configuration, the token adapter each step's temperature; `num_samples` samples are majority-voted."""
+        backend, token, sequence = self._sampling_policies(config)
+        with self._lock:
+            started = time.perf_counter()
+            backend.reset_counters()
+            self._encode_for(backend, prompts, config)
+            texts = [backend.render(p) for p in prompts]
+            if sequence is not None:
+                choices = [sequence.choose(e, config.num_samples) for e in prompt_embeddings(backend, texts)]
+            else:
+                choices = [SamplingChoice(0.0, config.top_k, config.top_p, config.min_p)] * len(texts)
+            rollouts = AdaptiveSampler(backend, token).sample(
+                texts, choice=choices, max_new_tokens=config.max_new_tokens, stop=tuple(config.stop),
+                generator=torch.Generator(device=backend.model.device).manual_seed(config.seed),
+                samples_per_prompt=config.num_samples,
+            )
+            counters = backend.reset_counters()
+            elapsed = time.perf_counter() - started
+        for r in range(len(prompts)):
+            samples = rollouts[r * config.num_samples:(r + 1) * config.num_samples]
+            voted = samples[majority_index([s.text for s in samples])]
+            stats = DecodingStats(
+                rounds=max(s.new_tokens for s in samples), new_tokens=voted.new_tokens, batch_size=len(prompts),
+                forward_passes={backend.name: counters["forward_passes"]},
+                tokens_processed={backend.name: counters["tokens"]}, wall_time_s=elapsed,
+            )
+            if voted.text:
+                yield r, voted.text
+            yield r, GenerationResult(voted.text, voted.finish_reason, stats)
 
     def _join(self, batches: list[TreeBatch], encoded: list[list[list[int]]], keep_hidden: bool = False) -> None:
         """Prefill new prompts (token ids per model) and add them as rows to the running batches."""
@@ -241,29 +398,31 @@ class AdaFuse:
 
     def _encode(self, prompts: list[Prompt], config: FusionConfig) -> list[list[list[int]]]:
         """Render and encode each prompt for each model (per model, per prompt), checking it before any work."""
-        per_model = []
-        for backend in self.backends:
-            encoded = []
-            for prompt in prompts:
-                if isinstance(prompt, str) and not prompt.strip():
-                    raise ValueError("prompt is empty")
-                if not isinstance(prompt, str) and not _is_messages(prompt):
-                    raise TypeError(f"a prompt must be a string or a list of chat messages, not {type(prompt).__name__}")
-                ids = backend.encode_prompt(backend.render(prompt))
-                if len(ids) + config.max_new_tokens > backend.context_window:
-                    raise ValueError(
-                        f"prompt of {len(ids)} tokens plus max_new_tokens={config.max_new_tokens} exceeds the "
-                        f"context window of model {backend.name!r} ({backend.context_window} tokens)"
-                    )
-                encoded.append(ids)
-            per_model.append(encoded)
-        return per_model
+        return [self._encode_for(backend, prompts, config) for backend in self.backends]
 
-    def _pool(self, position: int, proposals: list[list[RowProposals]]) -> list[_Candidate]:
+    @staticmethod
+    def _encode_for(backend: ModelBackend, prompts: list[Prompt], config: FusionConfig) -> list[list[int]]:
+        """One model's token ids of each prompt; an empty, malformed or too long prompt raises, naming why."""
+        encoded = []
+        for prompt in prompts:
+            if isinstance(prompt, str) and not prompt.strip():
+                raise ValueError("prompt is empty")
+            if not isinstance(prompt, str) and not _is_messages(prompt):
+                raise TypeError(f"a prompt must be a string or a list of chat messages, not {type(prompt).__name__}")
+            ids = backend.encode_prompt(backend.render(prompt))
+            if len(ids) + config.max_new_tokens > backend.context_window:
+                raise ValueError(
+                    f"prompt of {len(ids)} tokens plus max_new_tokens={config.max_new_tokens} exceeds the "
+                    f"context window of model {backend.name!r} ({backend.context_window} tokens)"
+                )
+            encoded.append(ids)
+        return encoded
+
+    def _pool(self, proposals: list[RowProposals]) -> list[_Candidate]:
         """All models' candidate spans for one row, deduplicated by text (and whether they end)."""
         pool: dict[tuple[str, bool], _Candidate] = {}
-        for backend, per_row in zip(self.backends, proposals):
-            for proposal in per_row[position].proposals:
+        for backend, row in zip(self.backends, proposals):
+            for proposal in row.proposals:
                 text = backend.decode(proposal.tokens)
                 if not text and not proposal.ends:
                     continue
@@ -317,39 +476,29 @@ class AdaFuse:
                 per_model.append([_mean_nll(backend, batch, 0, path, False) for path in paths])
         return [list(row) for row in zip(*per_model)]
 
-    def _score(self, batches: list[TreeBatch], pools: list[list[_Candidate]], weights: torch.Tensor) -> list[tuple[list[list[float]], list[float]]]:
-        """Per row: each model's mean token NLL of every candidate, and the weighted fused score.
+    def _score(self, batches: list[TreeBatch], position: int, pool: list[_Candidate], paths: list[list[list[int]]],
+               weights: torch.Tensor) -> tuple[list[list[float]], list[float]]:
+        """Each model's mean token NLL of every candidate of one row (their tokens are in every tree by now), and
+        the weighted fused score. A lone candidate needs no scoring."""
+        per_model = [
+            [_mean_nll(backend, batch, position, tokens, c.ends) if len(pool) > 1 else 0.0 for tokens, c in zip(model_paths, pool)]
+            for backend, batch, model_paths in zip(self.backends, batches, paths)
+        ]
+        nll = [[per_model[m][c] for m in range(len(self.backends))] for c in range(len(pool))]
+        return nll, [float(torch.tensor(n) @ weights) for n in nll]
 
-        One forward per model covers every candidate of every row that is not already in the model's tree.
-        A lone candidate needs no scoring, only its tokens in each cache for the commit.
-        """
-        per_model: list[list[list[float]]] = []
-        for backend, batch in zip(self.backends, batches):
-            paths = [[backend.encode_piece(c.text) for c in pool] for pool in pools]
-            batch.ensure_paths(paths)
-            per_model.append([
-                [_mean_nll(backend, batch, r, tokens, c.ends) if len(pool) > 1 else 0.0 for tokens, c in zip(row_paths, pool)]
-                for r, (row_paths, pool) in enumerate(zip(paths, pools))
-            ])
-        results = []
-        for r, pool in enumerate(pools):
-            nll = [[per_model[m][r][c] for m in range(len(self.backends))] for c in range(len(pool))]
-            fused = [float(torch.tensor(n) @ weights) for n in nll]
-            results.append((nll, fused))
-        return results
-
-    def _record_round(self, state: _RowState, position: int, proposals, pool, scores, chosen: _Candidate) -> None:
+    def _record_round(self, state: _RowState, proposals: list[RowProposals] | None, pool, scores, chosen: _Candidate) -> None:
         state.stats.rounds += 1
-        for per_row in proposals:
-            state.gate_decisions.extend(per_row[position].decisions)
+        for proposal in proposals or []:
+            state.gate_decisions.extend(proposal.decisions)
         state.stats.words_per_round.append(len(chosen.text.split()))
-        state.stats.explorations += sum(per_row[position].explored for per_row in proposals)
+        state.stats.explorations += sum(p.explored for p in proposals or [])
         if state.trace is not None:
             names = [b.name for b in self.backends]
             state.trace.append(RoundTrace(
                 index=state.stats.rounds,
-                margins={n: per_row[position].margin for n, per_row in zip(names, proposals)},
-                explored={n: per_row[position].explored for n, per_row in zip(names, proposals)},
+                margins={n: p.margin for n, p in zip(names, proposals or [])},
+                explored={n: p.explored for n, p in zip(names, proposals or [])},
                 candidates=[
                     CandidateTrace(c.text, c.ends, c.proposers, dict(zip(names, scores[0][i])), scores[1][i])
                     for i, c in enumerate(pool)
@@ -397,6 +546,10 @@ def _mean_nll(backend: ModelBackend, batch: TreeBatch, row: int, tokens: list[in
 def _held_back(text: str, stops: list[str]) -> int:
     """How many trailing characters could still become a stop sequence."""
     return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+def _hidden_size(backend: ModelBackend) -> int:
+    return backend.model.config.get_text_config().hidden_size
 
 
 def _is_messages(value: Any) -> bool:

@@ -20,7 +20,7 @@ from torch import nn
 from tqdm import tqdm
 
 from .adapters import (
-    SHIPPED, _Adapter, _mlp, confident_step_mask, informative_prompts, load_checkpoint, policy_step, reinforce_loss,
+    _Adapter, _mlp, confident_step_mask, informative_prompts, load_checkpoint, policy_step, reinforce_loss,
     save_checkpoint,
 )
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .adaptive import Task
     from .engine import AdaFuse
 
-__all__ = ["FusionGate", "GateDecision", "GateSession", "imitate_threshold", "load_gate", "train_fusion_gate"]
+__all__ = ["FusionGate", "GateDecision", "GateSession", "imitate_threshold", "train_fusion_gate"]
 
 COMMIT, EXPLORE = 1, 0
 
@@ -101,17 +101,6 @@ class GateSession:
             return [a == COMMIT for a in actions], []
         decisions = [GateDecision(model_index, h.float().cpu(), f.cpu(), a) for h, f, a in zip(hidden, features, actions)]
         return [a == COMMIT for a in actions], decisions
-
-
-def load_gate(name_or_path: str) -> FusionGate:
-    """A gate from a folder, or by the name of one shipped in `adafuse/adapter_weights`."""
-    folder = Path(name_or_path)
-    if not folder.exists() and (SHIPPED / name_or_path).exists():
-        folder = SHIPPED / name_or_path
-    if not (folder / "adapter_config.json").exists():
-        shipped = sorted(p.name for p in SHIPPED.iterdir() if "gate" in p.name) if SHIPPED.exists() else []
-        raise FileNotFoundError(f"no fusion gate at {name_or_path!r}: give a folder saved by FusionGate.save or one of {shipped}")
-    return FusionGate.load(folder)
 
 
 def train_fusion_gate(

@@ -15,6 +15,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from .cpu_kernels import MIN_GEMM_ROWS, real_tokens
+
 __all__ = ["Node", "OutputHead", "PromptPrefixCache", "TreeBatch"]
 
 
@@ -114,9 +116,6 @@ class _GrowingLayer(DynamicLayer):
         self._key_buffer, self._value_buffer = keys, values
 
 
-# CPU BLAS runs a matmul of 2 or 3 rows as separate matrix-vector products (2-3x the time of one row, more
-# than 4 rows take); padding a forward to 4 token rows makes small exploration/scoring steps cheaper.
-_MIN_GEMM_ROWS = 4
 
 
 @dataclass
@@ -195,7 +194,7 @@ class TreeBatch:
             attention = self._attention_masks(allowed, positions[:, reused:], positions.to(self.device))
         last = torch.zeros_like(input_ids, dtype=torch.bool)
         last[:, -1] = True
-        self.root_logprobs = list(self._run(input_ids, attention, positions[:, reused:], last))
+        self.root_logprobs = list(self._run(input_ids, attention, positions[:, reused:], last, mask[:, reused:].bool()))
         self.root_hidden = list(self._hidden) if self.keep_hidden else []
         for row in self.rows:
             row.forwards += 1
@@ -214,8 +213,9 @@ class TreeBatch:
             for layer in self.cache.layers
         ]
 
-    def _run(self, input_ids: torch.Tensor, mask, positions: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
-        """Forward new tokens; return log-distributions at the `wanted` positions (bool, batch x width), row-major."""
+    def _run(self, input_ids: torch.Tensor, mask, positions: torch.Tensor, wanted: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """Forward new tokens (`real` marks them among the padding); return log-distributions at the `wanted`
+        positions (bool, batch x width), row-major."""
         inputs = {
             "input_ids": input_ids.to(self.device),
             "attention_mask": mask.to(self.device) if isinstance(mask, torch.Tensor) else mask,
@@ -223,20 +223,21 @@ class TreeBatch:
             "use_cache": True,
         }
         wanted = wanted.to(self.device)
-        if self.head is not None:
-            hidden = self.head.decoder(**inputs, **{_cache_argument(self.head.decoder): self.cache}).last_hidden_state
-            hidden = hidden[wanted]
-            logits = self.head.logits(hidden)
-        else:
-            keep = input_ids.shape[1] - int(wanted.any(0).nonzero().min())
-            output = self.model(
-                **inputs,
-                logits_to_keep=keep,
-                output_hidden_states=self.keep_hidden,
-                **{_cache_argument(self.model): self.cache},
-            )
-            logits = output.logits[wanted[:, -keep:]]
-            hidden = output.hidden_states[-1][wanted] if self.keep_hidden else None
+        with real_tokens(real.to(self.device)):
+            if self.head is not None:
+                hidden = self.head.decoder(**inputs, **{_cache_argument(self.head.decoder): self.cache}).last_hidden_state
+                hidden = hidden[wanted]
+                logits = self.head.logits(hidden)
+            else:
+                keep = input_ids.shape[1] - int(wanted.any(0).nonzero().min())
+                output = self.model(
+                    **inputs,
+                    logits_to_keep=keep,
+                    output_hidden_states=self.keep_hidden,
+                    **{_cache_argument(self.model): self.cache},
+                )
+                logits = output.logits[wanted[:, -keep:]]
+                hidden = output.hidden_states[-1][wanted] if self.keep_hidden else None
         self._hidden = hidden if self.keep_hidden else None
         self.counters["forward_passes"] += 1
         return torch.log_softmax(logits.float(), dim=-1)
@@ -246,8 +247,8 @@ class TreeBatch:
         """Run new scratch tokens `(token, parent_node)` for each row in one forward; return their node ids."""
         batch, existing = len(self.rows), self.committed.shape[1]
         width = max(len(r) for r in requests)
-        if 1 < batch * width < _MIN_GEMM_ROWS:
-            width = -(-_MIN_GEMM_ROWS // batch)
+        if 1 < batch * width < MIN_GEMM_ROWS:
+            width = -(-MIN_GEMM_ROWS // batch)
         input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
         positions = torch.zeros((batch, width), dtype=torch.long)
         wanted = torch.zeros((batch, width), dtype=torch.bool)
@@ -271,7 +272,7 @@ class TreeBatch:
             for k in range(len(request), width):
                 allowed[r, k, existing + k] = True  # padding attends to itself only
         column_positions = torch.cat([self.column_positions, positions.to(self.device)], dim=1)
-        logprobs = self._run(input_ids, self._attention_masks(allowed, positions, column_positions), positions, wanted)
+        logprobs = self._run(input_ids, self._attention_masks(allowed, positions, column_positions), positions, wanted, wanted)
         start = 0
         for r, nodes in enumerate(created):
             self.rows[r].node_logprobs.extend(logprobs[start : start + len(nodes)])
@@ -319,23 +320,26 @@ class TreeBatch:
 
     def ensure_paths(self, paths: list[list[list[int]]]) -> None:
         """Feed, in one forward, whatever tokens of each row's token paths are not yet in its tree."""
-        requests: list[list[tuple[int, int]]] = []
-        for r, row_paths in enumerate(paths):
-            first_new = len(self.rows[r].nodes)  # node index the first token fed now will get
-            planned: dict[tuple[int, ...], int] = {}
-            request: list[tuple[int, int]] = []
-            for tokens in row_paths:
-                found, start = self.find_path(r, tokens)
-                parent = found[-1] if found else -1
-                for i in range(start, len(tokens)):
-                    key = tuple(tokens[: i + 1])
-                    if key not in planned:
-                        planned[key] = first_new + len(request)
-                        request.append((tokens[i], parent))
-                    parent = planned[key]
-            requests.append(request)
+        requests = [self.missing(r, row_paths) for r, row_paths in enumerate(paths)]
         if any(requests):
             self.feed(requests)
+
+    def missing(self, row: int, paths: list[list[int]]) -> list[tuple[int, int]]:
+        """The `(token, parent)` requests that put every token path in the row's tree (shared prefixes once),
+        numbered as `feed` will number them."""
+        first_new = len(self.rows[row].nodes)  # node index the first token fed now will get
+        planned: dict[tuple[int, ...], int] = {}
+        request: list[tuple[int, int]] = []
+        for tokens in paths:
+            found, start = self.find_path(row, tokens)
+            parent = found[-1] if found else -1
+            for i in range(start, len(tokens)):
+                key = tuple(tokens[: i + 1])
+                if key not in planned:
+                    planned[key] = first_new + len(request)
+                    request.append((tokens[i], parent))
+                parent = planned[key]
+        return request
 
     def path_nodes(self, row: int, tokens: list[int]) -> list[int]:
         found, complete = self.find_path(row, tokens)
@@ -345,29 +349,62 @@ class TreeBatch:
 
     # ------------------------------------------------------------------ commit
     @torch.inference_mode()
-    def commit(self, spans: list[list[int] | None]) -> None:
-        """Append each row's chosen token span (None drops the row) and discard the scratch trees.
+    def commit_row(self, row: int, span: list[int]) -> None:
+        """Append a span whose tokens are in the row's tree to its committed prefix, and discard its tree.
 
-        Tokens of a span not yet in its row's tree are run first (usually all of them are, from scoring).
+        No cache copy: the span's columns join the row's committed mask and the rest of its tree is masked off;
+        `compact` reclaims the dead columns when they pile up.
         """
-        self.ensure_paths([[span] if span else [] for span in spans])
-        keep_rows = [r for r, span in enumerate(spans) if span is not None]
-        columns, roots, hidden = [], [], []
-        for r in keep_rows:
-            nodes = self.path_nodes(r, spans[r])
-            row = self.rows[r]
-            committed_columns = self.committed[r].nonzero().flatten().tolist()
-            columns.append(committed_columns + [row.nodes[n].column for n in nodes])
-            roots.append(row.node_logprobs[nodes[-1]] if nodes else self.root_logprobs[r])
+        nodes = self.path_nodes(row, span)
+        state = self.rows[row]
+        if nodes:
+            columns = torch.tensor([state.nodes[n].column for n in nodes], device=self.device)
+            self.committed[row, columns] = True
+            self.root_logprobs[row] = state.node_logprobs[nodes[-1]]
             if self.keep_hidden:
-                hidden.append(row.node_hidden[nodes[-1]] if nodes else self.root_hidden[r])
-            row.ids.extend(spans[r])
+                self.root_hidden[row] = state.node_hidden[nodes[-1]]
+        state.ids.extend(span)
+        state.nodes, state.children, state.node_logprobs, state.node_hidden = [], {}, [], []
+
+    def commit(self, spans: list[list[int] | None]) -> None:
+        """Commit each row's span (None drops the row); tokens not yet in a row's tree are run first."""
+        self.ensure_paths([[span] if span else [] for span in spans])
+        for r, span in enumerate(spans):
+            if span is not None:
+                self.commit_row(r, span)
+        self.compact([r for r, span in enumerate(spans) if span is not None])
+
+    def live_columns(self) -> int:
+        """Columns the busiest row uses: its committed prefix plus its tree."""
+        if not self.rows:
+            return 0
+        return int(max(int(c) + len(r.nodes) for c, r in zip(self.committed.sum(1).tolist(), self.rows)))
+
+    @torch.inference_mode()
+    def compact(self, keep_rows: list[int] | None = None, force: bool = False) -> None:
+        """Drop rows not in `keep_rows` and, when dead columns outnumber live ones (or `force`), gather every
+        row's committed and tree columns into a fresh, narrower cache (tree nodes are renumbered)."""
+        keep_rows = list(range(len(self.rows))) if keep_rows is None else keep_rows
+        live = self.live_columns()
+        if not (force or self.committed.shape[1] - live > max(32, live)):
+            if len(keep_rows) < len(self.rows):
+                self._select_rows(keep_rows)
+            return
+        columns = []
+        for r in keep_rows:
+            committed_columns = self.committed[r].nonzero().flatten().tolist()
+            columns.append(committed_columns + [node.column for node in self.rows[r].nodes])
         width = max((len(c) for c in columns), default=0)
         index = torch.zeros((len(keep_rows), width), dtype=torch.long)
         committed = torch.zeros((len(keep_rows), width), dtype=torch.bool)
-        for i, cols in enumerate(columns):
-            index[i, width - len(cols):] = torch.tensor(cols, dtype=torch.long)
-            committed[i, width - len(cols):] = True
+        for i, (r, cols) in enumerate(zip(keep_rows, columns)):
+            offset = width - len(cols)
+            index[i, offset:] = torch.tensor(cols, dtype=torch.long)
+            committed[i, offset : offset + len(cols) - len(self.rows[r].nodes)] = True
+            renumber = {old: offset + new for new, old in enumerate(cols)}
+            for node in self.rows[r].nodes:
+                node.column = renumber[node.column]
+                node.ancestor_columns = [renumber[c] for c in node.ancestor_columns]
         index = index.to(self.device)
         rows_index = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
         for layer in self.cache.layers:
@@ -376,19 +413,45 @@ class TreeBatch:
             keys, values = layer.keys.index_select(0, rows_index), layer.values.index_select(0, rows_index)
             gather = index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
             layer.keys, layer.values = keys.gather(2, gather), values.gather(2, gather)
+        self.column_positions = self.column_positions.index_select(0, rows_index).gather(1, index)
         self.committed = committed.to(self.device)
-        self.column_positions = (committed.long().cumsum(-1) - 1).clamp(min=0).to(self.device)
-        self.rows = [self.rows[r] for r in keep_rows]
-        for row in self.rows:
-            row.nodes, row.children, row.node_logprobs, row.node_hidden = [], {}, [], []
-        self.root_logprobs, self.root_hidden = roots, hidden
+        self._keep_row_state(keep_rows)
 
+    def _select_rows(self, keep_rows: list[int]) -> None:
+        rows_index = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.keys, layer.values = layer.keys.index_select(0, rows_index), layer.values.index_select(0, rows_index)
+        self.committed = self.committed.index_select(0, rows_index)
+        self.column_positions = self.column_positions.index_select(0, rows_index)
+        self._keep_row_state(keep_rows)
+
+    def _keep_row_state(self, keep_rows: list[int]) -> None:
+        self.rows = [self.rows[r] for r in keep_rows]
+        self.root_logprobs = [self.root_logprobs[r] for r in keep_rows]
+        self.root_hidden = [self.root_hidden[r] for r in keep_rows] if self.keep_hidden else []
+
+    @torch.inference_mode()
+    def repeat_rows(self, count: int) -> None:
+        """Repeat each row `count` times in place (rows without trees), so parallel samples of one prompt share
+        its prefill instead of encoding it `count` times."""
+        index = torch.arange(len(self.rows), device=self.device).repeat_interleave(count)
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+        self.committed = self.committed.index_select(0, index)
+        self.column_positions = self.column_positions.index_select(0, index)
+        self.rows = [_Row(ids=list(row.ids), forwards=row.forwards) for row in self.rows for _ in range(count)]
+        self.root_logprobs = [logprobs for logprobs in self.root_logprobs for _ in range(count)]
+        self.root_hidden = [hidden for hidden in self.root_hidden for _ in range(count)]
 
     @torch.inference_mode()
     def extend(self, other: "TreeBatch") -> None:
-        """Append the rows of `other` (same model, both between rounds) to this batch, so prompts can join a
-        running batch as others finish. The narrower cache is left-padded with masked columns."""
+        """Append the rows of `other` (same model) to this batch, so prompts can join a running batch as others
+        finish. The narrower cache is left-padded with masked columns; tree nodes of shifted rows follow."""
         width = max(self.committed.shape[1], other.committed.shape[1])
+        for batch in (self, other):
+            _shift_nodes(batch.rows, width - batch.committed.shape[1])
         for mine, theirs in zip(self.cache.layers, other.cache.layers):
             mine.keys = torch.cat([_left_pad(mine.keys, width, 2), _left_pad(theirs.keys, width, 2)])
             mine.values = torch.cat([_left_pad(mine.values, width, 2), _left_pad(theirs.values, width, 2)])
@@ -399,6 +462,15 @@ class TreeBatch:
         self.rows += other.rows
         self.root_logprobs += other.root_logprobs
         self.root_hidden += other.root_hidden
+
+
+def _shift_nodes(rows: list[_Row], offset: int) -> None:
+    """Move tree nodes `offset` columns right, after their cache was left-padded by that much."""
+    if offset:
+        for row in rows:
+            for node in row.nodes:
+                node.column += offset
+                node.ancestor_columns = [c + offset for c in node.ancestor_columns]
 
 
 def _left_pad(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:

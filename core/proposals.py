@@ -1,6 +1,7 @@
 """Step 1-3 of an AdaFuse round for one model: whole-word span proposals, gated by confidence, with exploration."""
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -8,7 +9,6 @@ import torch
 from .backend import ModelBackend
 from .config import FusionConfig
 from .fusion_gate import GateDecision, GateSession
-from .kv_tree import TreeBatch
 from .sampling import first_tokens
 
 
@@ -49,89 +49,77 @@ def _margins(logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
     return top.indices[:, 0].tolist(), (probs[:, 0] - probs[:, 1]).tolist()
 
 
-def propose(
+# Feedback for a row's scratch tokens after a forward: their node ids, log-distributions [n, V] and final-layer
+# states [n, H] (None unless the batch keeps them, for a learned gate).
+Feedback = tuple[list[int], torch.Tensor, "torch.Tensor | None"]
+Requests = list[tuple[int, int]]
+
+
+def propose_row(
     backend: ModelBackend,
-    batch: TreeBatch,
+    root_logprobs: torch.Tensor,
+    root_hidden: torch.Tensor | None,
     config: FusionConfig,
-    token_budgets: list[int],
+    token_budget: int,
     generator: torch.Generator | None = None,
     gate: GateSession | None = None,
     model_index: int = 0,
-) -> list[RowProposals]:
-    """Every row's candidate spans for this round; all branches of all rows advance in one forward per step.
+) -> Generator[Requests, Feedback, RowProposals]:
+    """One row's candidate spans for this round, as a coroutine: it yields the scratch tokens `(token, parent
+    node)` its branches need next and is sent back what the forward gave them, so the caller can run every
+    row's needs (whatever phase each row is in) in one forward per step.
 
     Whether a model is confident at a word's first token (commit and go on, or explore / end the span) is
     margin >= τΔ, or the learned gate's choice when one is given.
     """
-    roots = torch.stack(batch.root_logprobs)
-    firsts, margins = _margins(roots)
-    decisions: list[list[GateDecision]] = [[] for _ in firsts]
-    rows_index = list(range(len(firsts)))
-    confident = _confident(gate, model_index, batch, config, token_budgets, roots, margins,
-                           [(r, -1, 0) for r in rows_index], decisions)
-    rows: list[list[_Branch]] = []
-    for r, first in enumerate(firsts):
-        if confident[r] or config.num_branches == 1:
-            rows.append([_Branch([first], explored=False, confident=confident[r])])
-        else:
-            picks = first_tokens(batch.root_logprobs[r], config, generator)
-            rows.append([_Branch([token], explored=True, confident=False) for token in picks])
+    firsts, margins = _margins(root_logprobs[None])
+    decisions: list[GateDecision] = []
+    confident = _confident(gate, model_index, config, token_budget, root_logprobs[None], margins,
+                           None if root_hidden is None else root_hidden[None], [0], decisions)[0]
+    if confident or config.num_branches == 1:
+        branches = [_Branch([firsts[0]], explored=False, confident=confident)]
+    else:
+        branches = [_Branch([token], explored=True, confident=False) for token in first_tokens(root_logprobs, config, generator)]
     end_ids = set(backend.end_ids)
-    for r, branches in enumerate(rows):
-        for branch in branches:
-            if branch.tokens[0] in end_ids:
-                branch.tokens, branch.ends, branch.done = [], True, True
+    for branch in branches:
+        if branch.tokens[0] in end_ids:
+            branch.tokens, branch.ends, branch.done = [], True, True
 
-    while True:
-        live = [(r, b) for r, branches in enumerate(rows) for b in branches if not b.done]
-        if not live:
-            break
-        requests: list[list[tuple[int, int]]] = [[] for _ in rows]
-        for r, branch in live:
-            requests[r].append((branch.tokens[-1], branch.node))
-        created = batch.feed(requests)
-        cursor = [0] * len(rows)
-        for r, branch in live:
-            branch.node = created[r][cursor[r]]
-            cursor[r] += 1
-        logprobs = torch.stack([batch.logprobs(r, b.node) for r, b in live])
+    while live := [b for b in branches if not b.done]:
+        nodes, logprobs, hidden = yield [(branch.tokens[-1], branch.node) for branch in live]
+        for branch, node in zip(live, nodes):
+            branch.node = node
         next_tokens, next_margins = _margins(logprobs)
-        opening = [i for i, ((r, branch), token) in enumerate(zip(live, next_tokens))
-                   if _advance(branch, token, backend, config, token_budgets[r], end_ids)]
+        opening = [i for i, (branch, token) in enumerate(zip(live, next_tokens))
+                   if _advance(branch, token, backend, config, token_budget, end_ids)]
         if opening:
-            new_word = _confident(gate, model_index, batch, config, token_budgets, logprobs[opening],
-                                  [next_margins[i] for i in opening],
-                                  [(live[i][0], live[i][1].node, live[i][1].words) for i in opening], decisions)
+            new_word = _confident(gate, model_index, config, token_budget, logprobs[opening],
+                                  [next_margins[i] for i in opening], None if hidden is None else hidden[opening],
+                                  [live[i].words for i in opening], decisions)
             for i, sure in zip(opening, new_word):
-                branch = live[i][1]
+                branch = live[i]
                 branch.tokens.append(next_tokens[i])
                 branch.words, branch.word_tokens, branch.confident = branch.words + 1, 1, sure
 
-    return [
-        RowProposals(
-            proposals=[Proposal(b.tokens, b.ends, b.words, b.explored) for b in branches],
-            margin=margins[r],
-            explored=branches[0].explored,
-            decisions=decisions[r],
-        )
-        for r, branches in enumerate(rows)
-    ]
+    return RowProposals(
+        proposals=[Proposal(b.tokens, b.ends, b.words, b.explored) for b in branches],
+        margin=margins[0],
+        explored=branches[0].explored,
+        decisions=decisions,
+    )
 
 
-def _confident(gate: GateSession | None, model_index: int, batch: TreeBatch, config: FusionConfig,
-               token_budgets: list[int], logprobs: torch.Tensor, margins: list[float],
-               states: list[tuple[int, int, int]], decisions: list[list[GateDecision]]) -> list[bool]:
-    """Confidence at word starts given as (row, node, words already in the span); gate decisions are filed by row."""
+def _confident(gate: GateSession | None, model_index: int, config: FusionConfig, token_budget: int,
+               logprobs: torch.Tensor, margins: list[float], hidden: torch.Tensor | None, words: list[int],
+               decisions: list[GateDecision]) -> list[bool]:
+    """Confidence at n word starts (words already in each span given); the gate's decisions are appended."""
     if config.fixed_span_words is not None:
-        return [True] * len(states)
+        return [True] * len(margins)
     if gate is None:
         return [m >= config.tau_delta for m in margins]
-    hidden = torch.stack([batch.root_hidden[r] if node < 0 else batch.rows[r].node_hidden[node] for r, node, _ in states])
-    remaining = torch.tensor([token_budgets[r] / config.max_new_tokens for r, _, _ in states])
-    words = torch.tensor([w for _, _, w in states])
-    sure, made = gate.decide(model_index, hidden, logprobs, remaining, words, config.max_span_words)
-    for (r, _, _), decision in zip(states, made):
-        decisions[r].append(decision)
+    remaining = torch.full((len(margins),), token_budget / config.max_new_tokens)
+    sure, made = gate.decide(model_index, hidden, logprobs, remaining, torch.tensor(words), config.max_span_words)
+    decisions.extend(made)
     return sure
 
 

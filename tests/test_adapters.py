@@ -136,3 +136,62 @@ def test_majority_vote_and_prompt_embeddings(llama_backend):
     assert majority_answer([" 7", " 8\nQuestion", " 8", " 7 "]) == "7"
     embeddings = prompt_embeddings(llama_backend, ["one prompt", "another, longer prompt"])
     assert embeddings.shape == (2, llama_backend.model.config.hidden_size)
+
+
+def test_parallel_samples_share_the_prefill_and_match_repeated_prompts(llama_backend):
+    from adafuse.adaptive import AdaptiveSampler
+
+    prompts = ["Question: who wrote Hamlet?\nAnswer:", "The quick brown fox"]
+    sampler, hot = AdaptiveSampler(llama_backend), SamplingChoice(temperature=1.0)
+    llama_backend.reset_counters()
+    shared = sampler.sample(prompts, choice=hot, max_new_tokens=6, generator=torch.Generator().manual_seed(3), samples_per_prompt=3)
+    shared_tokens = llama_backend.reset_counters()["tokens"]
+    repeated = sampler.sample([p for p in prompts for _ in range(3)], choice=hot, max_new_tokens=6,
+                              generator=torch.Generator().manual_seed(3))
+    repeated_tokens = llama_backend.reset_counters()["tokens"]
+    assert [r.text for r in shared] == [r.text for r in repeated]
+    assert len({r.text for r in shared}) > 2  # they are samples, not copies
+    assert shared_tokens < repeated_tokens
+
+
+def _adapter_pair(pair, tmp_path, temperature_logits):
+    """A token adapter for the pair's first model whose policy always picks the given temperature index."""
+    backend = pair.backends[0]
+    token = TokenAdapter(backend.model.config.hidden_size, projection=8, hidden=16, base_model=backend.name)
+    with torch.no_grad():
+        token.policy[-1].weight.zero_()
+        token.policy[-1].bias.copy_(torch.tensor(temperature_logits))
+    return str(token.save(tmp_path / "token"))
+
+
+def test_adapters_are_decoding_options_of_the_engine(pair, tmp_path):
+    from adafuse.adaptive import AdaptiveSampler
+
+    prompt = "Question: who wrote Hamlet?\nAnswer:"
+    greedy_token = _adapter_pair(pair, tmp_path, [10.0, -10.0, -10.0, -10.0])
+    result = pair.generate(prompt, token_adapter=greedy_token, max_new_tokens=6)
+    alone = AdaptiveSampler(pair.backends[0]).sample([prompt], max_new_tokens=6)[0]
+    assert result.text == alone.text and result.stats.new_tokens == alone.new_tokens
+    assert set(result.stats.forward_passes) == {pair.backends[0].name}
+
+    hot = SamplingChoice(temperature=1.0)
+    sequence = SequenceAdapter(pair.backends[0].model.config.hidden_size, [hot], hidden=8, base_model=pair.backends[0].name)
+    folder = str(sequence.save(tmp_path / "sequence"))
+    voted = pair.generate([prompt, "The quick brown fox"], sequence_adapter=folder, num_samples=5, max_new_tokens=4, seed=1)
+    samples = AdaptiveSampler(pair.backends[0]).sample([prompt, "The quick brown fox"], choice=hot, max_new_tokens=4,
+                                                       samples_per_prompt=5, generator=torch.Generator().manual_seed(1))
+    answers = [s.text.strip().split("\n")[0].strip() for s in samples[:5]]
+    assert voted[0].text.strip().split("\n")[0].strip() == max(answers, key=answers.count)
+
+
+def test_bad_adapter_options_name_the_problem(pair, tmp_path):
+    with pytest.raises(ValueError, match="num_samples"):
+        pair.generate("a prompt", num_samples=4)
+    folder = _adapter_pair(pair, tmp_path, [10.0, -10.0, -10.0, -10.0])
+    with pytest.raises(ValueError, match="fusion_gate"):
+        pair.generate("a prompt", token_adapter=folder, fusion_gate="adafuse-default-gate-arithmetic")
+    with pytest.raises(FileNotFoundError, match="no token adapter"):
+        pair.generate("a prompt", token_adapter=str(tmp_path / "missing"))
+    stranger = TokenAdapter(pair.backends[0].model.config.hidden_size, base_model="some-other-model")
+    with pytest.raises(ValueError, match="some-other-model"):
+        pair.generate("a prompt", token_adapter=str(stranger.save(tmp_path / "stranger")))

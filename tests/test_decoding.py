@@ -3,10 +3,22 @@ import pytest
 import torch
 
 from adafuse import AdaFuse, FusionConfig
-from adafuse.proposals import propose
+from adafuse.proposals import propose_row
 from conftest import full_logprobs
 
 PROMPT = "Question: what is the capital of France?\nAnswer:"
+
+
+def propose(backend, batch, config, budget=50, generator=None):
+    """Drive one row's proposal coroutine on its own batch, one forward per request."""
+    run = propose_row(backend, batch.root_logprobs[0], None, config, budget, generator)
+    try:
+        request = next(run)
+        while True:
+            nodes = batch.feed([request])[0]
+            request = run.send((nodes, torch.stack([batch.logprobs(0, n) for n in nodes]), None))
+    except StopIteration as done:
+        return done.value
 
 
 def _word_count(backend, tokens):
@@ -16,7 +28,7 @@ def _word_count(backend, tokens):
 def test_confident_model_commits_up_to_m_whole_words(third_backend):
     config = FusionConfig(tau_delta=0.0, max_span_words=3)
     batch = third_backend.start([third_backend.encode_prompt(PROMPT)])
-    row = propose(third_backend, batch, config, [50])[0]
+    row = propose(third_backend, batch, config)
     assert not row.explored and len(row.proposals) == 1
     proposal = row.proposals[0]
     assert proposal.ends or _word_count(third_backend, proposal.tokens) == proposal.words
@@ -29,7 +41,7 @@ def test_confident_model_commits_up_to_m_whole_words(third_backend):
 def test_unconfident_model_explores_top_b_first_tokens(llama_backend):
     config = FusionConfig(tau_delta=1.0, num_branches=3)
     batch = llama_backend.start([llama_backend.encode_prompt(PROMPT)])
-    row = propose(llama_backend, batch, config, [50])[0]
+    row = propose(llama_backend, batch, config)
     assert row.explored
     firsts = [p.tokens[0] for p in row.proposals if p.tokens]
     assert firsts == batch.root_logprobs[0].topk(3).indices.tolist()[: len(firsts)]
@@ -42,14 +54,14 @@ def test_unconfident_model_explores_top_b_first_tokens(llama_backend):
 
 def test_single_branch_disables_exploration(llama_backend):
     batch = llama_backend.start([llama_backend.encode_prompt(PROMPT)])
-    row = propose(llama_backend, batch, FusionConfig(tau_delta=1.0, num_branches=1), [50])[0]
+    row = propose(llama_backend, batch, FusionConfig(tau_delta=1.0, num_branches=1))
     assert len(row.proposals) == 1 and not row.explored
 
 
 def test_sampling_exploration_draws_distinct_first_tokens(llama_backend):
     batch = llama_backend.start([llama_backend.encode_prompt(PROMPT)])
     config = FusionConfig(tau_delta=1.0, num_branches=3, exploration="sample", top_k=10)
-    row = propose(llama_backend, batch, config, [50], torch.Generator().manual_seed(0))[0]
+    row = propose(llama_backend, batch, config, generator=torch.Generator().manual_seed(0))
     firsts = [p.tokens[0] for p in row.proposals if p.tokens]
     assert len(set(firsts)) == len(firsts) == 3
     assert set(firsts) <= set(batch.root_logprobs[0].topk(10).indices.tolist())

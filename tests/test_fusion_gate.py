@@ -4,7 +4,7 @@ import torch
 
 from adafuse import AdaFuse, FusionConfig
 from adafuse.adaptive import Task
-from adafuse.fusion_gate import COMMIT, FusionGate, GateSession, load_gate, train_fusion_gate
+from adafuse.fusion_gate import COMMIT, FusionGate, GateSession, train_fusion_gate
 
 PROMPTS = ["Question: who wrote the play Hamlet?\nAnswer:", "The quick brown fox"]
 
@@ -52,7 +52,7 @@ def test_row_forward_passes_equal_the_calls_when_alone(pair):
 
 def test_saved_gate_decodes_through_the_config_and_checks_models(pair, tmp_path, third_backend):
     folder = _always(_gate(pair), COMMIT).save(tmp_path / "gate")
-    assert load_gate(str(folder)).hidden_sizes == _gate(pair).hidden_sizes
+    assert FusionGate.from_name(str(folder)).hidden_sizes == _gate(pair).hidden_sizes
     gated = pair.generate(PROMPTS[0], fusion_gate=str(folder), max_new_tokens=10)
     assert gated.text == pair.generate(PROMPTS[0], tau_delta=0.0, max_new_tokens=10).text
     with pytest.raises(FileNotFoundError, match="no fusion gate"):

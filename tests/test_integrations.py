@@ -147,3 +147,23 @@ def test_learned_fusion_gate_is_a_decoding_option_in_both_frameworks(pair, tmp_p
         LlamaIndexLLM(engine=pair, fusion_gate=str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError, match="no fusion gate"):
         LangChainLLM(engine=pair, fusion_gate=str(tmp_path / "missing"))
+
+
+def test_decoding_adapters_are_options_in_both_frameworks(pair, tmp_path):
+    from adafuse import SequenceAdapter
+    from adafuse.adapters import SamplingChoice
+
+    backend = pair.backends[0]
+    sequence = SequenceAdapter(backend.model.config.hidden_size, [SamplingChoice()], hidden=8, base_model=backend.name)
+    folder = str(sequence.save(tmp_path / "sequence"))
+    expected = pair.generate(PROMPT, sequence_adapter=folder, num_samples=2, max_new_tokens=8).text
+    lc = LangChainLLM(engine=pair, max_new_tokens=8, sequence_adapter=folder, num_samples=2)
+    assert lc.invoke(PROMPT) == expected
+    assert LangChainLLM(engine=pair, max_new_tokens=8).invoke(PROMPT, sequence_adapter=folder, num_samples=2) == expected
+    info = lc.generate([PROMPT]).generations[0][0].generation_info
+    assert set(info["forward_passes"]) == {backend.name}
+    assert LlamaIndexLLM(engine=pair, max_new_tokens=8, sequence_adapter=folder).complete(PROMPT).text == expected
+    with pytest.raises(FileNotFoundError, match="no sequence adapter"):
+        LlamaIndexLLM(engine=pair, sequence_adapter=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="num_samples"):
+        LangChainLLM(engine=pair, num_samples=3)

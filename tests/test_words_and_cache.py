@@ -51,6 +51,25 @@ def test_batched_rows_with_padding_match_single_rows(gemma_backend):
     assert torch.allclose(batch.root_logprobs[0], full_logprobs(gemma_backend, prompts[1] + span), atol=1e-4)
 
 
+def test_rows_commit_and_compact_while_other_rows_hold_trees(llama_backend, gemma_backend):
+    for backend in (llama_backend, gemma_backend):
+        prompts = [backend.encode_prompt(PROMPT * 2), backend.encode_prompt("The quick brown fox")]
+        span, other = backend.encode_piece(" jumps over"), backend.encode_piece(" the lazy dog")
+        batch = backend.start(prompts)
+        batch.ensure_paths([[span, other], [other]])  # row 0: two branches; row 1: one, still in flight
+        batch.commit_row(0, span)
+        width = batch.committed.shape[1]
+        batch.compact(force=True)  # row 0's dead branch goes; row 1's tree is renumbered, not lost
+        assert batch.committed.shape[1] < width
+        joining = backend.start([backend.encode_prompt("A much longer prompt that makes the joining cache wider " * 3)])
+        batch.extend(joining)  # left-pads the running rows, trees included
+        batch.ensure_paths([[other], [other + span], [span]])
+        expected = [prompts[0] + span + other, prompts[1] + other + span, joining.rows[0].ids + span]
+        for r, path in enumerate(([other], [other + span], [span])):
+            node = batch.path_nodes(r, path[0])[-1]
+            assert torch.allclose(batch.logprobs(r, node), full_logprobs(backend, expected[r]), atol=1e-4)
+
+
 def test_shared_prefix_nodes_are_fed_once(llama_backend):
     batch = llama_backend.start([llama_backend.encode_prompt(PROMPT)])
     one = llama_backend.encode_piece(" the quick")
