@@ -1,7 +1,10 @@
-"""Learned decoding adapters against static decoding, on held-aside generated arithmetic problems.
+"""Learned decoding adapters against static decoding, on held-aside rows of their training task.
 
     python benchmarks/bench_adapters.py --adapter core/adapter_weights/smollm2-135m-token-arithmetic \
         --sequence-adapter core/adapter_weights/smollm2-135m-sequence-arithmetic --limit 200
+    python benchmarks/bench_adapters.py --adapter core/adapter_weights/gemma3-270m-token-squad \
+        --sequence-adapter core/adapter_weights/gemma3-270m-sequence-squad --task squad --first-row 200 \
+        --limit 100 --max-new-tokens 16 --plot reports/adapters_budget_squad.png
 
 Token level: Pass@1 (one sample per problem, the same token budget for every method) of greedy decoding,
 fixed temperatures, and the adapter choosing a temperature per step (argmax of its policy).
@@ -17,30 +20,39 @@ import torch
 
 from adafuse import ModelBackend
 from adafuse.adapters import SamplingChoice, SequenceAdapter, TokenAdapter
-from adafuse.adaptive import AdaptiveSampler, arithmetic_tasks, best_of, prompt_embeddings
+from adafuse.adaptive import AdaptiveSampler, arithmetic_tasks, benchmark_tasks, best_of, prompt_embeddings, task_stop
+
+# Rows decoded together: bounds the KV cache of long benchmark prompts.
+BATCH_ROWS = 64
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--adapter", required=True, help="token adapter folder")
     parser.add_argument("--sequence-adapter", default=None, help="sequence adapter folder")
+    parser.add_argument("--task", default="arithmetic", help="arithmetic or a QA/math benchmark (e.g. squad)")
+    parser.add_argument("--first-row", type=int, default=200, help="benchmark tasks: first held-aside row")
     parser.add_argument("--limit", type=int, default=200)
     parser.add_argument("--max-new-tokens", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=12345, help="held-aside problems (training used seed 0)")
+    parser.add_argument("--seed", type=int, default=12345, help="arithmetic: held-aside problems (training used seed 0)")
     parser.add_argument("--plot", default="reports/adapters_budget.png", help="accuracy against the sample budget B")
     args = parser.parse_args()
     adapter = TokenAdapter.load(args.adapter)
     backend = ModelBackend.from_pretrained(adapter.base_model)
-    tasks = arithmetic_tasks(args.limit, seed=args.seed)
+    if args.task == "arithmetic":
+        tasks = arithmetic_tasks(args.limit, seed=args.seed)
+    else:
+        tasks = benchmark_tasks(args.task, range(args.first_row, args.first_row + args.limit))
     prompts = [task.prompt for task in tasks]
-    print(f"{backend.name}: {len(tasks)} held-aside arithmetic problems, budget {args.max_new_tokens} tokens")
+    print(f"{backend.name}: {len(tasks)} held-aside {args.task} tasks, budget {args.max_new_tokens} tokens")
     methods = {"greedy": (None, SamplingChoice())}
     methods.update({f"temperature {t}": (None, SamplingChoice(temperature=t)) for t in (0.3, 0.7, 1.0)})
     methods["token adapter"] = (adapter, SamplingChoice())
     for name, (policy, choice) in methods.items():
         started = time.perf_counter()
         rollouts = AdaptiveSampler(backend, policy).sample(prompts, choice=choice, max_new_tokens=args.max_new_tokens,
-                                                           stop=("\n",), generator=torch.Generator().manual_seed(args.seed))
+                                                           stop=task_stop(tasks), generator=torch.Generator().manual_seed(args.seed),
+                                                           max_batch_rows=BATCH_ROWS)
         accuracy = sum(task.check(r.text) for task, r in zip(tasks, rollouts)) / len(tasks)
         usage = ""
         if policy is not None:
@@ -73,10 +85,10 @@ def compare_sequence_adapter(adapter: SequenceAdapter, backend: ModelBackend, ta
               flush=True)
         curves["best static configuration"].append(static[best])
         curves["sequence adapter"].append(solved / len(tasks))
-    _plot(budgets, curves, args.plot)
+    _plot(budgets, curves, args.plot, args.task)
 
 
-def _plot(budgets: tuple[int, ...], curves: dict[str, list[float]], path: str) -> None:
+def _plot(budgets: tuple[int, ...], curves: dict[str, list[float]], path: str, task: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -88,7 +100,7 @@ def _plot(budgets: tuple[int, ...], curves: dict[str, list[float]], path: str) -
     axis.set_xscale("log", base=2)
     axis.set_xticks(budgets, [str(b) for b in budgets])
     axis.set_xlabel("parallel samples B (majority vote)")
-    axis.set_ylabel("accuracy (held-aside arithmetic)")
+    axis.set_ylabel(f"accuracy (held-aside {task})")
     axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)

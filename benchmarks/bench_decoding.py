@@ -1,15 +1,16 @@
 """Speed of the AdaFuse engine against a naive reference of the same algorithm and single-model decoding.
 
     python benchmarks/bench_decoding.py --limit 20
+    python benchmarks/bench_decoding.py --bench squad --limit 16 --skip-naive   # long, distinct contexts
 
-Runs on the embedded default pair over the first N NQ dev questions (few-shot prompt, stop at newline) and
-prints, per method: wall time per answer, tokens per second, forward passes and tokens processed per model,
+Runs on the embedded default pair over the first N dev questions of a QA benchmark (NQ by default: a shared
+few-shot prompt, stop at newline; SQuAD: a context per question, the benchmark's stop sequences) and prints,
+per method: wall time per answer, tokens per second, forward passes and tokens processed per model,
 peak resident memory, and answer agreement; then the ratio figures of the performance targets.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import sys
 import time
@@ -19,23 +20,24 @@ import torch
 from tqdm import tqdm
 
 from adafuse import AdaFuse, FusionConfig
+from adafuse.benchmarks import BENCHMARKS, benchmark_root
 from adafuse.kv_tree import PromptPrefixCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from naive_adafuse import NaiveAdaFuse  # noqa: E402
 
-NQ = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks" / "nq"
 
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def load_prompts(limit: int) -> list[str]:
-    few_shot = (NQ / "prompt.txt").read_text()
-    with open(NQ / "dev.jsonl") as handle:
-        rows = [json.loads(line) for line, _ in zip(handle, range(limit))]
-    return [f"{few_shot}\n\nQuestion: {row['question']}\nAnswer:" for row in rows]
+def load_prompts(limit: int, bench: str = "nq") -> tuple[list[str], list[str]]:
+    """The first `limit` prompts of a QA benchmark and the stop sequences to decode them with."""
+    benchmark = BENCHMARKS[bench]
+    few_shot, rows = benchmark.load(benchmark_root(), limit)
+    stop = ["\n"] if bench == "nq" else list(benchmark.stop)
+    return [benchmark.prompt(few_shot, row["question"]) for row in rows], stop
 
 
 def counters(fuser: AdaFuse) -> dict[str, dict[str, int]]:
@@ -51,18 +53,19 @@ def report(name: str, seconds: list[float], tokens: list[int], work: dict[str, d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bench", default="nq", choices=["nq", "squad", "triviaqa"])
     parser.add_argument("--limit", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--skip-naive", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
-    prompts = load_prompts(args.limit)
-    config = FusionConfig(max_new_tokens=args.max_new_tokens, stop=["\n"])
+    prompts, stop = load_prompts(args.limit, args.bench)
+    config = FusionConfig(max_new_tokens=args.max_new_tokens, stop=stop)
     fuser = AdaFuse.from_pretrained(config=config)
     fuser.generate(prompts[0])  # warm-up
 
-    print(f"{len(prompts)} NQ questions, max_new_tokens={args.max_new_tokens}, threads={torch.get_num_threads()}")
+    print(f"{len(prompts)} {args.bench} questions, max_new_tokens={args.max_new_tokens}, threads={torch.get_num_threads()}")
     def run_engine(label: str, reuse_prefix: bool) -> tuple[list[str], list[float], list[int]]:
         for backend in fuser.backends:
             backend.prefix_cache = PromptPrefixCache() if reuse_prefix else None

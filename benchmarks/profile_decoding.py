@@ -18,11 +18,12 @@ from adafuse import AdaFuse, kv_tree
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--bench", default="nq", choices=["nq", "squad", "triviaqa"])
     parser.add_argument("--limit", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=1, help="prompts in flight (continuous batching)")
     args = parser.parse_args()
-    prompts = load_prompts(args.limit + 1)
-    fuser = AdaFuse.from_pretrained(max_new_tokens=32, stop=["\n"])
+    prompts, stop = load_prompts(args.limit + 1, args.bench)
+    fuser = AdaFuse.from_pretrained(max_new_tokens=32, stop=stop)
     fuser.generate(prompts[0])  # warm-up, and the shared few-shot prefix is cached as in steady state
 
     forwards: dict[tuple[str, str, int, int], list[float]] = defaultdict(lambda: [0, 0.0])

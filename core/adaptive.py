@@ -24,10 +24,12 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "AdaptiveSampler", "CANDIDATE_CHOICES", "Rollout", "Task", "arithmetic_tasks", "benchmark_tasks", "best_of", "majority_answer", "majority_index",
-    "prompt_embeddings", "reward_table", "train_sequence_adapter", "train_token_adapter",
+    "prompt_embeddings", "reward_table", "task_stop", "train_sequence_adapter", "train_token_adapter",
 ]
 
 GREEDY = SamplingChoice()
+# Rows decoded together when filling reward tables: bounds the KV cache of long benchmark prompts.
+_REWARD_BATCH_ROWS = 64
 
 
 @dataclass
@@ -49,6 +51,15 @@ class Task:
 
     prompt: str
     check: Callable[[str], bool]
+    stop: tuple[str, ...] = ("\n",)
+
+
+def task_stop(tasks: list[Task]) -> tuple[str, ...]:
+    """The stop sequences of tasks decoded together (they must agree)."""
+    stops = {task.stop for task in tasks}
+    if len(stops) > 1:
+        raise ValueError(f"tasks decoded together need the same stop sequences, got {sorted(stops)}")
+    return stops.pop() if stops else ("\n",)
 
 
 class AdaptiveSampler:
@@ -57,15 +68,25 @@ class AdaptiveSampler:
     def __init__(self, backend: ModelBackend, adapter: TokenAdapter | None = None):
         self.backend, self.adapter = backend, adapter
 
-    @torch.inference_mode()
     def sample(self, prompts: list[str], *, choice: SamplingChoice | list[SamplingChoice] = GREEDY, max_new_tokens: int = 64,
                stop: tuple[str, ...] = (), generator: torch.Generator | None = None, explore: bool = False,
-               samples_per_prompt: int = 1) -> list[Rollout]:
+               samples_per_prompt: int = 1, max_batch_rows: int | None = None) -> list[Rollout]:
         """`samples_per_prompt` rollouts of each prompt (prompt-major), sharing its prefill. `choice` is one
         configuration or one per prompt. With an adapter, its policy picks each step's temperature (sampled
-        when `explore`, else argmax)."""
-        backend = self.backend
+        when `explore`, else argmax). At most `max_batch_rows` rows decode together (default: all)."""
         choices = list(choice) if isinstance(choice, list) else [choice] * len(prompts)
+        per_batch = max(1, (max_batch_rows or len(prompts) * samples_per_prompt) // samples_per_prompt)
+        return [
+            rollout
+            for start in range(0, len(prompts), per_batch)
+            for rollout in self._sample_batch(prompts[start:start + per_batch], choices[start:start + per_batch],
+                                              max_new_tokens, stop, generator, explore, samples_per_prompt)
+        ]
+
+    @torch.inference_mode()
+    def _sample_batch(self, prompts: list[str], choices: list[SamplingChoice], max_new_tokens: int, stop: tuple[str, ...],
+                      generator: torch.Generator | None, explore: bool, samples_per_prompt: int) -> list[Rollout]:
+        backend = self.backend
         row_choices = [c for c in choices for _ in range(samples_per_prompt)]
         batch = backend.start([backend.encode_prompt(p) for p in prompts], keep_hidden=self.adapter is not None)
         if samples_per_prompt > 1:
@@ -148,7 +169,8 @@ def benchmark_tasks(name: str, rows: range, data_root: Path | None = None) -> li
     few_shot, table = bench.load(Path(data_root) if data_root else benchmark_root(), rows.stop)
     return [
         Task(bench.prompt(few_shot, row["question"]),
-             lambda completion, answer=row["answer"]: bench.score_row(bench.extract(completion), answer)["accuracy"] > 0)
+             lambda completion, answer=row["answer"]: bench.score_row(bench.extract(completion), answer)["accuracy"] > 0,
+             tuple(bench.stop))
         for row in table[rows.start : rows.stop]
     ]
 
@@ -188,7 +210,7 @@ def train_token_adapter(
     for step in tqdm(range(start, steps), desc="train token adapter", initial=start, total=steps):
         chosen = [tasks[rng.randrange(len(tasks))] for _ in range(prompts_per_step)]
         adapter.eval()
-        rollouts = sampler.sample([task.prompt for task in chosen], max_new_tokens=max_new_tokens, stop=("\n",),
+        rollouts = sampler.sample([task.prompt for task in chosen], max_new_tokens=max_new_tokens, stop=task_stop(chosen),
                                   generator=generator, explore=True, samples_per_prompt=samples_per_prompt)
         rewards = torch.tensor([float(task.check(r.text)) for task, r in zip(
             (t for t in chosen for _ in range(samples_per_prompt)), rollouts)]).view(prompts_per_step, samples_per_prompt)
@@ -256,8 +278,8 @@ def _answer_line(completion: str) -> str:
 def best_of(sampler: AdaptiveSampler, tasks: list[Task], choice: SamplingChoice, budget: int, max_new_tokens: int,
             generator: torch.Generator) -> list[bool]:
     """Draw `budget` samples per task with one configuration, majority-vote, and check each voted answer."""
-    rollouts = sampler.sample([task.prompt for task in tasks], choice=choice, max_new_tokens=max_new_tokens, stop=("\n",),
-                              generator=generator, samples_per_prompt=budget)
+    rollouts = sampler.sample([task.prompt for task in tasks], choice=choice, max_new_tokens=max_new_tokens, stop=task_stop(tasks),
+                              generator=generator, samples_per_prompt=budget, max_batch_rows=_REWARD_BATCH_ROWS)
     return [task.check(majority_answer([r.text for r in rollouts[i * budget:(i + 1) * budget]])) for i, task in enumerate(tasks)]
 
 

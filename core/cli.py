@@ -124,13 +124,13 @@ def _training_tasks(args: argparse.Namespace):
 
 
 def _train_gate(args: argparse.Namespace, out: Path):
-    from .benchmarks import BENCHMARKS
+    from .adaptive import task_stop
     from .engine import AdaFuse
     from .fusion_gate import FusionGate, train_fusion_gate
 
     fuser = AdaFuse.from_pretrained(args.models, device_map=args.device_map, dtype=args.dtype)
     tasks = _training_tasks(args)
-    stop = BENCHMARKS[args.task].stop if args.task in BENCHMARKS else ("\n",)
+    stop = task_stop(tasks)
     out.mkdir(parents=True, exist_ok=True)
     gate = FusionGate([b.model.config.get_text_config().hidden_size for b in fuser.backends], fuser.model_names)
     history = train_fusion_gate(fuser, gate, tasks, steps=args.steps, prompts_per_step=args.prompts_per_step,

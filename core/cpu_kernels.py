@@ -8,7 +8,8 @@ count (`benchmarks/bench_decoding.py` reports the end-to-end effect). This is th
 
 transformers' SDPA path repeats every key/value head for grouped-query attention whenever a mask is given,
 copying the whole KV cache per layer and step; on CPU, SDPA's own `enable_gqa` does the same attention without
-the copy (2.5x faster attention for a batch of 8 rows).
+the copy (2.5x faster attention for a batch of 8 rows), and for decoding steps (a few new tokens per row) two
+grouped matmuls beat SDPA's kernels again by 1.3-2x.
 """
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ CPU_ATTENTION = "adafuse_cpu_sdpa"
 # than 4 rows take), so small products are padded up to 4 rows.
 MIN_GEMM_ROWS = 4
 
+# Up to this many query tokens per row, attention runs as grouped matmuls rather than SDPA (see _few_query_attention).
+_GROUPED_MATMUL_MAX_QUERIES = 32
+
 # (positions in the forward, flat indices of the real ones) while `real_tokens` is active.
 _REAL_TOKENS: ContextVar[tuple[int, torch.Tensor] | None] = ContextVar("adafuse_real_tokens", default=None)
 
@@ -46,7 +50,7 @@ def real_tokens(real: torch.Tensor) -> Iterator[None]:
     index = flat.nonzero().flatten()
     if len(index) < MIN_GEMM_ROWS:
         index = torch.cat([index, (~flat).nonzero().flatten()[: MIN_GEMM_ROWS - len(index)]]).sort().values
-    token = _REAL_TOKENS.set((flat.numel(), index.to(real.device)) if len(index) < flat.numel() else None)
+    token = _REAL_TOKENS.set((flat.numel(), index) if len(index) < flat.numel() else None)
     try:
         yield
     finally:
@@ -114,6 +118,9 @@ def _grouped_query_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     """transformers' SDPA attention, with key/value heads shared through `enable_gqa` instead of copied."""
     if any(kwargs.get(name) is not None for name in ("softcap", "position_bias", "s_aux")) or kwargs.get("output_attentions"):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    if attention_mask is not None and query.shape[2] <= _GROUPED_MATMUL_MAX_QUERIES and attention_mask.shape[1] == 1 \
+            and not torch.is_grad_enabled():
+        return _few_query_attention(query, key, value, attention_mask, scaling), None
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     output = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
@@ -121,6 +128,28 @@ def _grouped_query_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tenso
         enable_gqa=getattr(module, "num_key_value_groups", 1) > 1,
     )
     return output.transpose(1, 2).contiguous(), None
+
+
+def _few_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                         scaling: float | None) -> torch.Tensor:
+    """Attention for a few new tokens per row over a long cache: the query heads that share a key/value head are
+    stacked into one matrix, so each direction is a single batched matmul over the cache, read once.
+
+    SDPA's CPU kernels are tuned for long queries; for decoding steps (1-32 queries per row over hundreds to
+    thousands of cached columns) this is 1.3-2x faster, with the same result (float32 softmax).
+    """
+    batch, heads, tokens, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    scores = query.reshape(batch, kv_heads, groups * tokens, dim) @ key.transpose(-1, -2)
+    scores = scores.view(batch, kv_heads, groups, tokens, length) * (scaling or dim ** -0.5)
+    mask = mask[:, :, None, :, :length]
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + mask
+    probabilities = scores.softmax(-1).view(batch, kv_heads, groups * tokens, length)
+    return (probabilities @ value).view(batch, heads, tokens, dim).transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(CPU_ATTENTION, _grouped_query_sdpa)

@@ -175,7 +175,7 @@ class AdaFuse:
         if not prompts:
             raise ValueError("no prompt given")
         if config.samples_adaptively:
-            yield from self._sample(prompts, config)
+            yield from self._sample(prompts, config, max_batch_size)
             return
         gate = gate or self._gate_session(config)
         with self._lock:
@@ -351,7 +351,7 @@ class AdaFuse:
             policy = self._policies[(kind.kind, name)] = kind.from_name(name)
         return policy
 
-    def _sample(self, prompts: list[Prompt], config: FusionConfig) -> Iterator[tuple[int, str | GenerationResult]]:
+    def _sample(self, prompts: list[Prompt], config: FusionConfig, max_batch_size: int | None) -> Iterator[tuple[int, str | GenerationResult]]:
         """Adaptive sampling (arXiv 2603.09065) with the adapters' model: the sequence adapter picks each prompt's
         sampling configuration, the token adapter each step's temperature; `num_samples` samples are majority-voted."""
         backend, token, sequence = self._sampling_policies(config)
@@ -368,6 +368,7 @@ class AdaFuse:
                 texts, choice=choices, max_new_tokens=config.max_new_tokens, stop=tuple(config.stop),
                 generator=torch.Generator(device=backend.model.device).manual_seed(config.seed),
                 samples_per_prompt=config.num_samples,
+                max_batch_rows=max_batch_size and max_batch_size * config.num_samples,
             )
             counters = backend.reset_counters()
             elapsed = time.perf_counter() - started

@@ -3,8 +3,10 @@
 Every row holds its committed prefix (left-padded) followed by scratch tokens: proposals, exploration
 branches and candidates under scoring. A scratch token attends to its row's committed prefix and its own
 ancestors only, so many branches and candidates go through the model in one forward pass over the cached
-prefix. Committing a chosen span keeps the cache columns of its tokens and drops the rest of the tree, so no
-token of the shared prefix is ever encoded twice.
+prefix. Committing a chosen span moves the cache columns of its tokens into the row's committed prefix and masks
+off the rest of its tree, so no token of the shared prefix is ever encoded twice. Rows commit independently (one
+row can commit while others hold trees); the dead columns are reclaimed by an occasional compaction, not a
+copy per commit.
 """
 from __future__ import annotations
 
@@ -223,7 +225,7 @@ class TreeBatch:
             "use_cache": True,
         }
         wanted = wanted.to(self.device)
-        with real_tokens(real.to(self.device)):
+        with real_tokens(real.cpu()):
             if self.head is not None:
                 hidden = self.head.decoder(**inputs, **{_cache_argument(self.head.decoder): self.cache}).last_hidden_state
                 hidden = hidden[wanted]

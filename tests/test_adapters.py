@@ -152,6 +152,9 @@ def test_parallel_samples_share_the_prefill_and_match_repeated_prompts(llama_bac
     assert [r.text for r in shared] == [r.text for r in repeated]
     assert len({r.text for r in shared}) > 2  # they are samples, not copies
     assert shared_tokens < repeated_tokens
+    together = sampler.sample(prompts, max_new_tokens=6)
+    one_by_one = sampler.sample(prompts, max_new_tokens=6, max_batch_rows=1)
+    assert [r.text for r in together] == [r.text for r in one_by_one]
 
 
 def _adapter_pair(pair, tmp_path, temperature_logits):

@@ -159,6 +159,22 @@ def test_packed_linear_layers_give_the_same_logits(byte_level_tokenizer):
     assert packed.get_output_embeddings().weight.grad is not None
 
 
+def test_packed_linear_computes_only_real_tokens_when_asked():
+    from adafuse.cpu_kernels import real_tokens
+
+    linear = torch.nn.Linear(16, 24)
+    packed = PackedLinear(linear)
+    inputs = torch.randn(3, 5, 16)
+    real = torch.zeros(3, 5, dtype=torch.bool)
+    real[0, :2], real[1, :5], real[2, :1] = True, True, True
+    with torch.inference_mode(), real_tokens(real):
+        output = packed(inputs)
+        other_shape = packed(inputs[:, :2])  # a differently shaped input (an output head on picked rows) is untouched
+    assert torch.allclose(output[real], linear(inputs)[real], atol=1e-5)
+    assert not output[~real].any()
+    assert torch.allclose(other_shape, linear(inputs[:, :2]), atol=1e-5)
+
+
 def test_cpu_kernels_give_the_same_logits_with_tree_masks(metaspace_tokenizer):
     from conftest import _gemma
 
