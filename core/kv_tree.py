@@ -118,8 +118,6 @@ class _GrowingLayer(DynamicLayer):
         self._key_buffer, self._value_buffer = keys, values
 
 
-
-
 @dataclass
 class Node:
     """One scratch token: `parent` is a node index or -1 for the committed prefix."""
@@ -407,45 +405,34 @@ class TreeBatch:
             for node in self.rows[r].nodes:
                 node.column = renumber[node.column]
                 node.ancestor_columns = [renumber[c] for c in node.ancestor_columns]
+        self._select_rows(keep_rows)
         index = index.to(self.device)
-        rows_index = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
-        for layer in self.cache.layers:
-            if not getattr(layer, "is_initialized", False):
-                continue
-            keys, values = layer.keys.index_select(0, rows_index), layer.values.index_select(0, rows_index)
-            gather = index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
-            layer.keys, layer.values = keys.gather(2, gather), values.gather(2, gather)
-        self.column_positions = self.column_positions.index_select(0, rows_index).gather(1, index)
+        for layer in self._layers():
+            gather = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
+        self.column_positions = self.column_positions.gather(1, index)
         self.committed = committed.to(self.device)
-        self._keep_row_state(keep_rows)
 
-    def _select_rows(self, keep_rows: list[int]) -> None:
-        rows_index = torch.tensor(keep_rows, dtype=torch.long, device=self.device)
-        for layer in self.cache.layers:
-            if getattr(layer, "is_initialized", False):
-                layer.keys, layer.values = layer.keys.index_select(0, rows_index), layer.values.index_select(0, rows_index)
-        self.committed = self.committed.index_select(0, rows_index)
-        self.column_positions = self.column_positions.index_select(0, rows_index)
-        self._keep_row_state(keep_rows)
+    def _select_rows(self, rows: list[int]) -> None:
+        """Keep the given rows, in that order (a row may repeat): cache, masks and per-row state."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        for layer in self._layers():
+            layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+        self.committed = self.committed.index_select(0, index)
+        self.column_positions = self.column_positions.index_select(0, index)
+        self.rows = [self.rows[r] for r in rows]
+        self.root_logprobs = [self.root_logprobs[r] for r in rows]
+        self.root_hidden = [self.root_hidden[r] for r in rows] if self.keep_hidden else []
 
-    def _keep_row_state(self, keep_rows: list[int]) -> None:
-        self.rows = [self.rows[r] for r in keep_rows]
-        self.root_logprobs = [self.root_logprobs[r] for r in keep_rows]
-        self.root_hidden = [self.root_hidden[r] for r in keep_rows] if self.keep_hidden else []
+    def _layers(self) -> list:
+        return [layer for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
 
     @torch.inference_mode()
     def repeat_rows(self, count: int) -> None:
         """Repeat each row `count` times in place (rows without trees), so parallel samples of one prompt share
         its prefill instead of encoding it `count` times."""
-        index = torch.arange(len(self.rows), device=self.device).repeat_interleave(count)
-        for layer in self.cache.layers:
-            if getattr(layer, "is_initialized", False):
-                layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
-        self.committed = self.committed.index_select(0, index)
-        self.column_positions = self.column_positions.index_select(0, index)
-        self.rows = [_Row(ids=list(row.ids), forwards=row.forwards) for row in self.rows for _ in range(count)]
-        self.root_logprobs = [logprobs for logprobs in self.root_logprobs for _ in range(count)]
-        self.root_hidden = [hidden for hidden in self.root_hidden for _ in range(count)]
+        self._select_rows([r for r in range(len(self.rows)) for _ in range(count)])
+        self.rows = [_Row(ids=list(row.ids), forwards=row.forwards) for row in self.rows]
 
     @torch.inference_mode()
     def extend(self, other: "TreeBatch") -> None:
