@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,6 +52,30 @@ def report(name: str, seconds: list[float], tokens: list[int], work: dict[str, d
     print(f"{name:<28} {per_answer:7.3f} s/answer  {rate:6.1f} tok/s  per answer [{per_model}]  peak RSS {peak_rss_mb():.0f} MB")
 
 
+def prime_prefix_caches(fuser: AdaFuse, primer: str) -> None:
+    """Fresh prompt caches holding only `primer` (another question of the benchmark), so every timed run starts as a
+    server that has seen the prompt template, not these prompts."""
+    for backend in fuser.backends:
+        backend.prefix_cache = PromptPrefixCache()
+        backend.start([backend.encode_prompt(primer)])
+
+
+def batch_against_alone(fuser: AdaFuse, batch: list[str], primer: str, repeats: int) -> tuple[list[float], list[float], list, list]:
+    """Wall times of decoding `batch` one prompt at a time and as one batch, interleaved `repeats` times so that
+    drift in the machine's speed hits both alike; returns both lists of times and the last run's results."""
+    alone_runs, batch_runs = [], []
+    for _ in range(repeats):
+        prime_prefix_caches(fuser, primer)
+        started = time.perf_counter()
+        alone = [fuser.generate(prompt) for prompt in batch]
+        alone_runs.append(time.perf_counter() - started)
+        prime_prefix_caches(fuser, primer)
+        started = time.perf_counter()
+        batched = fuser.generate(batch)
+        batch_runs.append(time.perf_counter() - started)
+    return alone_runs, batch_runs, batched, alone
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bench", default="nq", choices=["nq", "squad", "triviaqa"])
@@ -58,9 +83,11 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--skip-naive", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of the batch and of its prompts alone")
     args = parser.parse_args()
     torch.manual_seed(0)
-    prompts, stop = load_prompts(args.limit, args.bench)
+    prompts, stop = load_prompts(args.limit + 1, args.bench)
+    prompts, primer = prompts[:-1], prompts[-1]  # the primer only warms prompt caches for the batch figures
     config = FusionConfig(max_new_tokens=args.max_new_tokens, stop=stop)
     fuser = AdaFuse.from_pretrained(config=config)
     fuser.generate(prompts[0])  # warm-up
@@ -114,10 +141,7 @@ def main() -> None:
         report(f"{backend.name} generate", seconds, fused_tokens, per_model, len(prompts))
 
     batch = prompts[: args.batch_size]
-    started = time.perf_counter()
-    batched = fuser.generate(batch)
-    batch_time = time.perf_counter() - started
-    one_by_one = sum(fused_seconds[: len(batch)])
+    alone_runs, batch_runs, batched, alone = batch_against_alone(fuser, batch, primer, args.repeats)
     for backend in fuser.backends:
         backend.prefix_cache = None
     started = time.perf_counter()
@@ -137,9 +161,15 @@ def main() -> None:
     print(f"  fused time / sum of single-model generate times (same output tokens): {sum(fused_seconds) / singles:.2f} "
           f"(without prefix reuse: {sum(cold_seconds) / singles:.2f}); answers equal with/without reuse: "
           f"{sum(a == b for a, b in zip(fused, cold)) / len(prompts):.0%}")
-    print(f"  batch of {len(batch)}: {batch_time / len(batch):.3f} s/answer vs {one_by_one / len(batch):.3f} alone "
-          f"-> throughput x{one_by_one / batch_time:.2f}; batched answers equal alone: "
+    alone_time, batch_time = statistics.median(alone_runs), statistics.median(batch_runs)
+    print(f"  batch of {len(batch)}: {batch_time / len(batch):.3f} s/answer vs {alone_time / len(batch):.3f} alone "
+          f"-> throughput x{alone_time / batch_time:.2f} (medians of {args.repeats} interleaved runs; each run "
+          f"x{', x'.join(f'{a / b:.2f}' for a, b in zip(alone_runs, batch_runs))}); batched answers equal alone: "
           f"{sum(r.text == a for r, a in zip(batched, fused)) / len(batch):.0%}")
+    steps_alone = {name: sum(r.stats.forward_passes[name] for r in alone) for name in fuser.model_names}
+    steps_batch = batched[0].stats.forward_passes
+    print("  forward steps for these prompts, alone (summed) vs batched: "
+          + ", ".join(f"{name} {steps_alone[name]} vs {steps_batch[name]}" for name in fuser.model_names))
     print(f"  batch of {len(batch)} without prefix reuse: throughput x{cold_one_by_one / cold_batch_time:.2f}")
     print(f"  all {len(prompts)} prompts, {args.batch_size} in flight (continuous batching): {rolling_time / len(prompts):.3f} "
           f"s/answer vs {sum(fused_seconds) / len(prompts):.3f} alone -> throughput x{sum(fused_seconds) / rolling_time:.2f}; "

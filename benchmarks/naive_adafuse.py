@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from adafuse import FusionConfig, ModelBackend
+from adafuse.kv_tree import _cache_argument
 
 
 class NaiveAdaFuse:
@@ -21,7 +22,7 @@ class NaiveAdaFuse:
     def _forward(self, backend: ModelBackend, ids: list[int], cache: DynamicCache | None = None) -> torch.Tensor:
         backend.counters["forward_passes"] += 1
         backend.counters["tokens"] += len(ids)
-        logits = backend.model(torch.tensor([ids]), past_key_values=cache, use_cache=cache is not None).logits[0]
+        logits = backend.model(torch.tensor([ids]), use_cache=cache is not None, **{_cache_argument(backend.model): cache}).logits[0]
         return torch.log_softmax(logits.float(), dim=-1)
 
     def _greedy_branch(self, backend: ModelBackend, prefix: list[int], first: int, explored: bool, margin: float, budget: int):

@@ -104,8 +104,22 @@ class ModelBackend:
 
     # ------------------------------------------------------------------ requests
     def start(self, prompts: list[list[int]], keep_hidden: bool = False) -> TreeBatch:
-        """Encode prompts into a fresh KV cache (one forward pass; a stored shared prompt prefix is reused)."""
+        """Encode prompts into a fresh KV cache, reusing cached prompts' prefixes.
+
+        Prompts that share a long prefix with an earlier prompt of the same batch (several questions on one
+        context) are encoded in a second forward, after that prompt, so they reuse its KV instead of recomputing it.
+        """
         self._piece_cache.clear()
+        later = self.prefix_cache.followers(prompts) if self.prefix_cache else []
+        first = [i for i in range(len(prompts)) if i not in later]
+        batch = self._encode_rows([prompts[i] for i in first], keep_hidden)
+        if later:
+            batch.extend(self._encode_rows([prompts[i] for i in later], keep_hidden))
+            position = {row: k for k, row in enumerate(first + later)}
+            batch.reorder([position[i] for i in range(len(prompts))])
+        return batch
+
+    def _encode_rows(self, prompts: list[list[int]], keep_hidden: bool) -> TreeBatch:
         return TreeBatch(
             self.model, prompts, self.pad_token_id, self.counters, self.prefix_cache, keep_hidden, self.output_head
         )

@@ -37,20 +37,21 @@ MIN_GEMM_ROWS = 4
 # Up to this many query tokens per row, attention runs as grouped matmuls rather than SDPA (see _few_query_attention).
 _GROUPED_MATMUL_MAX_QUERIES = 32
 
-# (positions in the forward, flat indices of the real ones) while `real_tokens` is active.
-_REAL_TOKENS: ContextVar[tuple[int, torch.Tensor] | None] = ContextVar("adafuse_real_tokens", default=None)
+# (positions in the forward, flat indices of the real ones, the batch x width mask) while `real_tokens` is active.
+_REAL_TOKENS: ContextVar[tuple[int, torch.Tensor, torch.Tensor] | None] = ContextVar("adafuse_real_tokens", default=None)
 
 
 @contextmanager
 def real_tokens(real: torch.Tensor) -> Iterator[None]:
     """Within this block, packed linear layers compute only the positions where `real` (batch x width, bool)
-    is True and give zeros at padding. Linear layers act on each position alone, so real positions are
+    is True and give zeros at padding, and long padded prompts attend row by row over their real queries only.
+    Linear layers act on each position alone, and padding is masked from real tokens, so real positions are
     unchanged; a padded batch of rows with uneven numbers of new tokens stops paying for its padding."""
     flat = real.flatten()
     index = flat.nonzero().flatten()
     if len(index) < MIN_GEMM_ROWS:
         index = torch.cat([index, (~flat).nonzero().flatten()[: MIN_GEMM_ROWS - len(index)]]).sort().values
-    token = _REAL_TOKENS.set((flat.numel(), index) if len(index) < flat.numel() else None)
+    token = _REAL_TOKENS.set((flat.numel(), index, real) if len(index) < flat.numel() else None)
     try:
         yield
     finally:
@@ -121,13 +122,38 @@ def _grouped_query_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     if attention_mask is not None and query.shape[2] <= _GROUPED_MATMUL_MAX_QUERIES and attention_mask.shape[1] == 1 \
             and not torch.is_grad_enabled():
         return _few_query_attention(query, key, value, attention_mask, scaling), None
+    enable_gqa = getattr(module, "num_key_value_groups", 1) > 1
+    queries = _right_aligned_queries(query.shape[0], query.shape[2])
+    if attention_mask is not None and queries is not None and not torch.is_grad_enabled():
+        output = query.new_zeros(query.shape)
+        for r, count in enumerate(queries):
+            if count:
+                end = query.shape[2]
+                output[r:r + 1, :, end - count:] = torch.nn.functional.scaled_dot_product_attention(
+                    query[r:r + 1, :, end - count:], key[r:r + 1], value[r:r + 1],
+                    attn_mask=attention_mask[r:r + 1, :, end - count:], scale=scaling, enable_gqa=enable_gqa,
+                )
+        return output.transpose(1, 2).contiguous(), None
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     output = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
         is_causal=bool(query.shape[2] > 1 and attention_mask is None and is_causal),
-        enable_gqa=getattr(module, "num_key_value_groups", 1) > 1,
+        enable_gqa=enable_gqa,
     )
     return output.transpose(1, 2).contiguous(), None
+
+
+def _right_aligned_queries(batch: int, width: int) -> list[int] | None:
+    """Real queries per row when a padded prompt batch (`real_tokens`, suffixes right-aligned) is mostly padding,
+    so attention runs row by row over them; None otherwise (one padded call is cheaper)."""
+    subset = _REAL_TOKENS.get()
+    if subset is None or subset[2].shape != (batch, width) or len(subset[1]) > 0.75 * batch * width:
+        return None
+    real = subset[2]
+    counts = real.sum(1).tolist()
+    if not all(bool(real[r, width - count:].all()) for r, count in enumerate(counts)):
+        return None
+    return counts
 
 
 def _few_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,

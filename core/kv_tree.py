@@ -19,27 +19,66 @@ from transformers.cache_utils import DynamicLayer
 
 from .cpu_kernels import MIN_GEMM_ROWS, real_tokens
 
-__all__ = ["Node", "OutputHead", "PromptPrefixCache", "TreeBatch"]
+__all__ = ["CachedPrompt", "Node", "OutputHead", "PromptPrefixCache", "TreeBatch"]
+
+
+@dataclass
+class CachedPrompt:
+    """One encoded prompt: its token ids and every layer's keys and values for them ([1, heads, tokens, dim])."""
+
+    ids: list[int]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
 class PromptPrefixCache:
-    """KV of the last prompt a model encoded, so the next prompts that begin the same way skip that part.
+    """KV of the prompts a model encoded most recently, so new prompts that begin like one of them skip that part.
 
-    Few-shot and RAG prompts share long preambles; reusing their KV removes most of the prefill.
+    Few-shot and RAG prompts share long preambles, and consecutive questions often share their context; reusing
+    that KV removes most of the prefill. Each new prompt reuses the entry it shares the longest prefix with.
     """
 
     min_tokens: int = 16
-    ids: list[int] = field(default_factory=list)
-    layers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    max_entries: int = 8
+    max_tokens: int = 8192  # all entries together (their KV is a copy per entry)
+    entries: list[CachedPrompt] = field(default_factory=list)  # most recent first
 
-    def reusable(self, prompts: list[list[int]]) -> int:
-        """Tokens every prompt shares with the stored one (at least one token per prompt is left to run)."""
-        shared = len(self.ids)
-        for prompt in prompts:
-            limit = min(shared, len(prompt) - 1)
-            shared = next((i for i in range(limit) if prompt[i] != self.ids[i]), limit)
-        return shared if shared >= self.min_tokens else 0
+    def match(self, prompt: list[int]) -> tuple[CachedPrompt | None, int]:
+        """The entry sharing the longest prefix with `prompt`, and that length (at least one prompt token is left to
+        run; shorter than `min_tokens` counts as nothing)."""
+        best, longest = None, 0
+        for entry in self.entries:
+            shared = _common_prefix(entry.ids, prompt, len(prompt) - 1)
+            if shared > longest:
+                best, longest = entry, shared
+        return (best, longest) if longest >= self.min_tokens else (None, 0)
+
+    def followers(self, prompts: list[list[int]], gain: int = 64) -> list[int]:
+        """Rows that share at least `gain` more tokens with an earlier row of their batch than with any cached
+        prompt, so encoding them after that row (which gets cached) saves recomputing the shared part."""
+        later: list[int] = []
+        for i, prompt in enumerate(prompts):
+            in_batch = max((_common_prefix(prompts[j], prompt, len(prompt) - 1) for j in range(i) if j not in later), default=0)
+            if in_batch >= self.match(prompt)[1] + gain:
+                later.append(i)
+        return later
+
+    def store(self, entry: CachedPrompt) -> None:
+        """Keep `entry` as the most recent; entries it extends are dropped, and the oldest beyond the limits."""
+        kept, total = [entry], len(entry.ids)
+        for old in self.entries:
+            if _common_prefix(old.ids, entry.ids, len(old.ids)) < len(old.ids):
+                total += len(old.ids)
+                if len(kept) == self.max_entries or total > self.max_tokens:
+                    break
+                kept.append(old)
+        self.entries = kept
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the common prefix of `a` and `b`, at most `limit`."""
+    limit = min(limit, len(a), len(b))
+    return next((i for i in range(limit) if a[i] != b[i]), max(limit, 0))
 
 
 @dataclass
@@ -171,23 +210,28 @@ class TreeBatch:
     # ------------------------------------------------------------------ forward passes
     @torch.inference_mode()
     def _prefill(self, prompts: list[list[int]]) -> None:
-        reused = self.prefix_cache.reusable(prompts) if self.prefix_cache else 0
-        suffixes = [p[reused:] for p in prompts]
+        """Encode the prompts, each reusing the KV of the cached prompt it shares the longest prefix with.
+
+        Layout per row: the reused prefix (from column 0), padding up to column `reused`, padding, the new suffix
+        (right-aligned), so every row's suffix runs in one padded forward over its own reused columns."""
+        matches = [self.prefix_cache.match(p) for p in prompts] if self.prefix_cache else [(None, 0)] * len(prompts)
+        lengths = [length for _, length in matches]
+        reused = max(lengths)
+        suffixes = [p[k:] for p, k in zip(prompts, lengths)]
         width = max(len(s) for s in suffixes)
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), reused + width), dtype=torch.long)
-        mask[:, :reused] = 1
-        for r, suffix in enumerate(suffixes):
+        for r, (suffix, length) in enumerate(zip(suffixes, lengths)):
+            mask[r, :length] = 1
             input_ids[r, width - len(suffix):] = torch.tensor(suffix)
             mask[r, reused + width - len(suffix):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         self.cache = DynamicCache()
         self.cache.layer_class_to_replicate = _GrowingLayer
-        for index, (keys, values) in enumerate(self.prefix_cache.layers if reused else []):
-            expand = (len(prompts), -1, -1, -1)
-            self.cache.update(keys[:, :, :reused].expand(expand), values[:, :, :reused].expand(expand), index)
+        if reused:
+            self._load_prefixes(matches, reused)
         attention = mask
-        if reused:  # padding now sits between the shared prefix and the suffixes: spell the mask out
+        if reused:  # padding sits inside the rows now: spell the mask out
             columns = torch.arange(reused + width)
             allowed = mask.bool()[:, None, :] & (columns[None, None, :] <= (reused + torch.arange(width))[None, :, None])
             allowed[:, torch.arange(width), reused + torch.arange(width)] = True  # padding attends to itself
@@ -202,16 +246,30 @@ class TreeBatch:
         self.committed = mask.bool().to(self.device)
         self.counters["tokens"] += sum(len(s) for s in suffixes)
         if self.prefix_cache is not None:
-            self._store_prompt(prompts[0])
+            self._store_prompts(prompts)
 
-    def _store_prompt(self, prompt: list[int]) -> None:
-        """Keep the first row's prompt KV (its committed columns) for the next request."""
-        columns = self.committed[0].nonzero().flatten()
-        self.prefix_cache.ids = list(prompt)
-        self.prefix_cache.layers = [
-            (layer.keys[:1].index_select(2, columns), layer.values[:1].index_select(2, columns))
-            for layer in self.cache.layers
-        ]
+    def _load_prefixes(self, matches: list[tuple[CachedPrompt | None, int]], reused: int) -> None:
+        """Put each row's reused prefix KV in the first cache columns (zeros after it, up to column `reused`)."""
+        template = next(entry for entry, _ in matches if entry is not None).layers
+        for index, (keys, _) in enumerate(template):
+            shape = (len(matches), keys.shape[1], reused, keys.shape[3])
+            layer_keys, layer_values = keys.new_zeros(shape), keys.new_zeros(shape)
+            for r, (entry, length) in enumerate(matches):
+                if length:
+                    layer_keys[r, :, :length] = entry.layers[index][0][0, :, :length]
+                    layer_values[r, :, :length] = entry.layers[index][1][0, :, :length]
+            self.cache.update(layer_keys, layer_values, index)
+
+    def _store_prompts(self, prompts: list[list[int]]) -> None:
+        """Keep every row's prompt KV (its committed columns) for later requests."""
+        for r, prompt in enumerate(prompts):
+            if any(entry.ids == prompt for entry in self.prefix_cache.entries):
+                continue
+            columns = self.committed[r].nonzero().flatten()
+            self.prefix_cache.store(CachedPrompt(list(prompt), [
+                (layer.keys[r:r + 1].index_select(2, columns), layer.values[r:r + 1].index_select(2, columns))
+                for layer in self.cache.layers
+            ]))
 
     def _run(self, input_ids: torch.Tensor, mask, positions: torch.Tensor, wanted: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Forward new tokens (`real` marks them among the padding); return log-distributions at the `wanted`
@@ -423,6 +481,10 @@ class TreeBatch:
         self.rows = [self.rows[r] for r in rows]
         self.root_logprobs = [self.root_logprobs[r] for r in rows]
         self.root_hidden = [self.root_hidden[r] for r in rows] if self.keep_hidden else []
+
+    def reorder(self, rows: list[int]) -> None:
+        """Put the rows (without trees) in this order."""
+        self._select_rows(rows)
 
     def _layers(self) -> list:
         return [layer for layer in self.cache.layers if getattr(layer, "is_initialized", False)]

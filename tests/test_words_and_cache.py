@@ -1,8 +1,8 @@
 """Word boundaries from the vocabulary, and the KV tree against full re-encoding."""
 import torch
 
-from adafuse.kv_tree import OutputHead, TreeBatch
-from adafuse.cpu_kernels import CPU_ATTENTION, PackedLinear, pack_linear_layers, prepare_for_cpu
+from adafuse.kv_tree import CachedPrompt, OutputHead, PromptPrefixCache, TreeBatch
+from adafuse.cpu_kernels import CPU_ATTENTION, PackedLinear, _right_aligned_queries, pack_linear_layers, prepare_for_cpu, real_tokens
 from adafuse.words import word_start_table
 from conftest import full_logprobs
 
@@ -51,6 +51,21 @@ def test_batched_rows_with_padding_match_single_rows(gemma_backend):
     assert torch.allclose(batch.root_logprobs[0], full_logprobs(gemma_backend, prompts[1] + span), atol=1e-4)
 
 
+def test_long_padded_prompts_attend_row_by_row_and_match_single_rows(llama_backend, gemma_backend):
+    for backend in (llama_backend, gemma_backend):
+        backend.prefix_cache.entries.clear()
+        prompts = [backend.encode_prompt(PROMPT * 4), backend.encode_prompt("The quick brown fox")]
+        width = max(len(p) for p in prompts)
+        real = torch.zeros((2, width), dtype=torch.bool)
+        for r, prompt in enumerate(prompts):
+            real[r, width - len(prompt):] = True
+        with real_tokens(real):
+            assert _right_aligned_queries(2, width) == [len(p) for p in prompts]  # mostly padding: row by row
+        batch = backend.start(prompts)
+        for r, prompt in enumerate(prompts):
+            assert torch.allclose(batch.root_logprobs[r], full_logprobs(backend, prompt), atol=1e-4)
+
+
 def test_rows_commit_and_compact_while_other_rows_hold_trees(llama_backend, gemma_backend):
     for backend in (llama_backend, gemma_backend):
         prompts = [backend.encode_prompt(PROMPT * 2), backend.encode_prompt("The quick brown fox")]
@@ -84,22 +99,78 @@ def test_shared_prompt_prefix_is_reused_and_exact(llama_backend, gemma_backend):
         first = backend.encode_prompt(PROMPT * 2)
         backend.start([first])
         others = [backend.encode_prompt(PROMPT * 2 + " William"), backend.encode_prompt(PROMPT * 2 + "\nQuestion: who")]
-        shared = backend.prefix_cache.reusable(others)
-        assert shared >= len(first) - 2
+        shared = [backend.prefix_cache.match(p)[1] for p in others]
+        assert min(shared) >= len(first) - 2
         before = backend.counters["tokens"]
         batch = backend.start(others)
-        assert backend.counters["tokens"] - before == sum(len(p) for p in others) - 2 * shared
+        assert backend.counters["tokens"] - before == sum(len(p) for p in others) - sum(shared)
         span = backend.encode_piece(" Shakespeare")
         batch.ensure_paths([[span], [span]])
         for r, prompt in enumerate(others):
             assert torch.allclose(batch.root_logprobs[r], full_logprobs(backend, prompt), atol=1e-4)
             node = batch.path_nodes(r, span)[-1]
             assert torch.allclose(batch.logprobs(r, node), full_logprobs(backend, prompt + span), atol=1e-4)
+        # rows with reused prefixes go on through a commit, a compaction and a wider prompt joining
+        batch.commit_row(0, span)
+        batch.compact(force=True)
+        joining = backend.start([first + backend.encode_piece(" and then a much longer question about the play" * 2)])
+        batch.extend(joining)
+        batch.ensure_paths([[span], [span], [span]])
+        expected = [others[0] + span + span, others[1] + span, joining.rows[0].ids + span]
+        for r, tokens in enumerate(expected):
+            node = batch.path_nodes(r, span)[-1]
+            assert torch.allclose(batch.logprobs(r, node), full_logprobs(backend, tokens), atol=1e-4)
 
 
 def test_unrelated_prompt_reuses_nothing(llama_backend):
     llama_backend.start([llama_backend.encode_prompt(PROMPT * 2)])
-    assert llama_backend.prefix_cache.reusable([llama_backend.encode_prompt("The quick brown fox jumps")]) == 0
+    assert llama_backend.prefix_cache.match(llama_backend.encode_prompt("The quick brown fox jumps")) == (None, 0)
+
+
+def test_rows_reuse_different_cached_prompts_and_stay_exact(llama_backend, gemma_backend):
+    for backend in (llama_backend, gemma_backend):
+        hamlet, paris = backend.encode_prompt(PROMPT * 3), backend.encode_prompt("Context: Paris is the capital of France. " * 4)
+        backend.start([hamlet, paris])  # a batch caches every row's prompt
+        prompts = [paris + backend.encode_piece(" Question: what is it?"), backend.encode_prompt("The quick brown fox"),
+                   hamlet + backend.encode_piece(" William")]
+        assert [backend.prefix_cache.match(p)[1] for p in prompts] == [len(paris), 0, len(hamlet)]
+        before = backend.counters["tokens"]
+        batch = backend.start(prompts)
+        assert backend.counters["tokens"] - before == sum(len(p) for p in prompts) - len(paris) - len(hamlet)
+        span = backend.encode_piece(" and")
+        batch.ensure_paths([[span]] * len(prompts))
+        for r, prompt in enumerate(prompts):
+            assert torch.allclose(batch.root_logprobs[r], full_logprobs(backend, prompt), atol=1e-4)
+            assert torch.allclose(batch.logprobs(r, batch.path_nodes(r, span)[-1]), full_logprobs(backend, prompt + span), atol=1e-4)
+
+
+def test_prompt_cache_keeps_the_newest_entries_and_drops_the_ones_they_extend():
+    cache = PromptPrefixCache(max_entries=2)
+    for ids in ([1, 2], [1, 2, 3], [7, 8], [9]):
+        cache.store(CachedPrompt(ids, []))
+    assert [e.ids for e in cache.entries] == [[9], [7, 8]]
+    cache.store(CachedPrompt([7, 8, 9], []))
+    assert [e.ids for e in cache.entries] == [[7, 8, 9], [9]]
+    cache = PromptPrefixCache(max_tokens=4)
+    for ids in ([1, 2], [3, 4], [5, 6, 7]):
+        cache.store(CachedPrompt(ids, []))
+    assert [e.ids for e in cache.entries] == [[5, 6, 7]]
+
+
+def test_questions_on_one_context_in_a_batch_encode_the_context_once(llama_backend, gemma_backend):
+    for backend in (llama_backend, gemma_backend):
+        backend.prefix_cache.entries.clear()
+        context = backend.encode_prompt("Context: the Seine flows through Paris, the capital of France. " * 8)
+        prompts = [context + backend.encode_piece(" Question: which river?"), backend.encode_prompt(PROMPT),
+                   context + backend.encode_piece(" Question: which city?")]
+        shared = next(i for i, (a, b) in enumerate(zip(prompts[0], prompts[2])) if a != b)
+        assert shared >= 64 and backend.prefix_cache.followers(prompts) == [2]
+        before = backend.counters["tokens"]
+        batch = backend.start(prompts)
+        assert backend.counters["tokens"] - before == sum(len(p) for p in prompts) - shared
+        assert [row.ids for row in batch.rows] == prompts
+        for r, prompt in enumerate(prompts):
+            assert torch.allclose(batch.root_logprobs[r], full_logprobs(backend, prompt), atol=1e-4)
 
 
 def test_output_head_split_is_checked_against_the_full_model(llama_backend):
