@@ -122,8 +122,9 @@ class _GrowingLayer(DynamicLayer):
     """A cache layer that appends new keys/values into spare capacity.
 
     `DynamicLayer` concatenates, copying a layer's whole cache at every forward; with a batch of long prompts
-    that copy costs as much as the attention itself. Keys and values assigned from outside (commit, joins) are
-    moved into a fresh buffer at the next update.
+    that copy costs as much as the attention itself. Rows selected or joined are `place`d straight into a new
+    buffer with room to grow; keys and values assigned from outside (compaction) are moved into a fresh buffer at
+    the next update.
     """
 
     _key_buffer: torch.Tensor | None = None
@@ -147,6 +148,18 @@ class _GrowingLayer(DynamicLayer):
             buffer is not None and buffer.shape[2] >= end and buffer.shape[:2] == key_states.shape[:2]
             and (self.get_seq_length() == 0 or self.keys.data_ptr() == buffer.data_ptr())
         )
+
+    def place(self, rows: int, width: int, pieces: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """Make the cache `rows` x `width` columns from pieces `(first row, keys, values)`, each right-aligned
+        with zeros (masked columns) before it, in one copy into a buffer that later updates append to."""
+        shape = (rows, self.keys.shape[1], width + max(64, width // 2), self.keys.shape[3])
+        keys, values = self.keys.new_empty(shape), self.values.new_empty(shape)
+        for start, piece_keys, piece_values in pieces:
+            end, offset = start + piece_keys.shape[0], width - piece_keys.shape[2]
+            keys[start:end, :, :offset], values[start:end, :, :offset] = 0, 0
+            keys[start:end, :, offset:width], values[start:end, :, offset:width] = piece_keys, piece_values
+        self._key_buffer, self._value_buffer = keys, values
+        self.keys, self.values = keys[:, :, :width], values[:, :, :width]
 
     def _reserve(self, length: int, end: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         capacity = end + max(64, end // 2)
@@ -475,7 +488,8 @@ class TreeBatch:
         """Keep the given rows, in that order (a row may repeat): cache, masks and per-row state."""
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         for layer in self._layers():
-            layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)
+            layer.place(len(rows), layer.keys.shape[2],
+                        [(i, layer.keys[r:r + 1], layer.values[r:r + 1]) for i, r in enumerate(rows)])
         self.committed = self.committed.index_select(0, index)
         self.column_positions = self.column_positions.index_select(0, index)
         self.rows = [self.rows[r] for r in rows]
@@ -504,8 +518,8 @@ class TreeBatch:
         for batch in (self, other):
             _shift_nodes(batch.rows, width - batch.committed.shape[1])
         for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.keys = torch.cat([_left_pad(mine.keys, width, 2), _left_pad(theirs.keys, width, 2)])
-            mine.values = torch.cat([_left_pad(mine.values, width, 2), _left_pad(theirs.values, width, 2)])
+            mine.place(len(self.rows) + len(other.rows), width,
+                       [(0, mine.keys, mine.values), (len(self.rows), theirs.keys, theirs.values)])
         self.committed = torch.cat([_left_pad(self.committed, width, 1), _left_pad(other.committed, width, 1)])
         self.column_positions = torch.cat(
             [_left_pad(self.column_positions, width, 1), _left_pad(other.column_positions, width, 1)]

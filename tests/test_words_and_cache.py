@@ -78,7 +78,9 @@ def test_rows_commit_and_compact_while_other_rows_hold_trees(llama_backend, gemm
         assert batch.committed.shape[1] < width
         joining = backend.start([backend.encode_prompt("A much longer prompt that makes the joining cache wider " * 3)])
         batch.extend(joining)  # left-pads the running rows, trees included
+        buffers = [layer._key_buffer.data_ptr() for layer in batch.cache.layers]
         batch.ensure_paths([[other], [other + span], [span]])
+        assert [layer._key_buffer.data_ptr() for layer in batch.cache.layers] == buffers  # appended in place
         expected = [prompts[0] + span + other, prompts[1] + other + span, joining.rows[0].ids + span]
         for r, path in enumerate(([other], [other + span], [span])):
             node = batch.path_nodes(r, path[0])[-1]
