@@ -122,8 +122,8 @@ class _GrowingLayer(DynamicLayer):
     """A cache layer that appends new keys/values into spare capacity.
 
     `DynamicLayer` concatenates, copying a layer's whole cache at every forward; with a batch of long prompts
-    that copy costs as much as the attention itself. Rows selected or joined are `place`d straight into a new
-    buffer with room to grow; keys and values assigned from outside (compaction) are moved into a fresh buffer at
+    that copy costs as much as the attention itself. Rows selected, compacted or joined are `place`d straight
+    into a new buffer with room to grow; keys and values assigned from outside are moved into a fresh buffer at
     the next update.
     """
 
@@ -476,20 +476,21 @@ class TreeBatch:
             for node in self.rows[r].nodes:
                 node.column = renumber[node.column]
                 node.ancestor_columns = [renumber[c] for c in node.ancestor_columns]
-        self._select_rows(keep_rows)
-        index = index.to(self.device)
-        for layer in self._layers():
-            gather = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
-        self.column_positions = self.column_positions.gather(1, index)
+        self._select_rows(keep_rows, [torch.tensor(cols, dtype=torch.long, device=self.device) for cols in columns])
+        self.column_positions = self.column_positions.gather(1, index.to(self.device))
         self.committed = committed.to(self.device)
 
-    def _select_rows(self, rows: list[int]) -> None:
-        """Keep the given rows, in that order (a row may repeat): cache, masks and per-row state."""
+    def _select_rows(self, rows: list[int], columns: list[torch.Tensor] | None = None) -> None:
+        """Keep the given rows, in that order (a row may repeat): cache, masks and per-row state. With `columns`,
+        each kept row's cache keeps only those columns, right-aligned (compaction; the caller sets the masks)."""
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         for layer in self._layers():
-            layer.place(len(rows), layer.keys.shape[2],
-                        [(i, layer.keys[r:r + 1], layer.values[r:r + 1]) for i, r in enumerate(rows)])
+            pieces = [(i, layer.keys[r:r + 1], layer.values[r:r + 1]) for i, r in enumerate(rows)]
+            width = layer.keys.shape[2]
+            if columns is not None:
+                pieces = [(i, keys.index_select(2, c), values.index_select(2, c)) for (i, keys, values), c in zip(pieces, columns)]
+                width = max((len(c) for c in columns), default=0)
+            layer.place(len(rows), width, pieces)
         self.committed = self.committed.index_select(0, index)
         self.column_positions = self.column_positions.index_select(0, index)
         self.rows = [self.rows[r] for r in rows]
