@@ -10,10 +10,18 @@ transformers' SDPA path repeats every key/value head for grouped-query attention
 copying the whole KV cache per layer and step; on CPU, SDPA's own `enable_gqa` does the same attention without
 the copy (2.5x faster attention for a batch of 8 rows), and for decoding steps (a few new tokens per row) two
 grouped matmuls beat SDPA's kernels again by 1.3-2x.
+
+A batched step's log-distributions are large (22 positions x Gemma's 262k vocabulary is 23 MB, twice: logits and
+log-softmax). glibc serves such blocks with fresh `mmap`s or hands them back to the system when freed, so every
+step faults its output in again, page by page: a third of a batched Gemma step on the machines here. PyTorch's
+CPU tuning guide answers this with an allocator that keeps freed memory (jemalloc, tcmalloc); `keep_freed_memory`
+gets the same from glibc's own malloc.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
+import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -26,7 +34,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MIN_GEMM_ROWS", "PackedLinear", "pack_linear_layers", "prepare_for_cpu", "real_tokens", "use_grouped_query_attention"]
+__all__ = [
+    "MIN_GEMM_ROWS", "PackedLinear", "keep_freed_memory", "pack_linear_layers", "prepare_for_cpu", "real_tokens",
+    "use_grouped_query_attention",
+]
 
 CPU_ATTENTION = "adafuse_cpu_sdpa"
 
@@ -36,6 +47,12 @@ MIN_GEMM_ROWS = 4
 
 # Up to this many query tokens per row, attention runs as grouped matmuls rather than SDPA (see _few_query_attention).
 _GROUPED_MATMUL_MAX_QUERIES = 32
+
+# glibc `mallopt` parameters: blocks up to 32 MB (the most glibc allows) come from the heap, not `mmap`, and up to
+# 256 MiB of freed heap stay with the process for the next step instead of going back to the system.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_HEAP_BLOCK_LIMIT, _KEPT_FREE_MEMORY = 32 << 20, 256 << 20
+_freed_memory_kept = False
 
 # (positions in the forward, flat indices of the real ones, the batch x width mask) while `real_tokens` is active.
 _REAL_TOKENS: ContextVar[tuple[int, torch.Tensor, torch.Tensor] | None] = ContextVar("adafuse_real_tokens", default=None)
@@ -190,7 +207,20 @@ def use_grouped_query_attention(model: PreTrainedModel) -> bool:
     return True
 
 
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory for reuse (process-wide, once), so per-step buffers of tens of MB are
+    not faulted in afresh at every forward. Returns whether the setting is in place; False off glibc."""
+    global _freed_memory_kept
+    if not _freed_memory_kept and platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        libc = ctypes.CDLL(None)
+        _freed_memory_kept = bool(libc.mallopt(_M_MMAP_THRESHOLD, _HEAP_BLOCK_LIMIT)) and bool(
+            libc.mallopt(_M_TRIM_THRESHOLD, _KEPT_FREE_MEMORY))
+        logger.info("glibc malloc keeps freed memory: %s", _freed_memory_kept)
+    return _freed_memory_kept
+
+
 def prepare_for_cpu(model: PreTrainedModel) -> None:
     """Apply this module's kernels to a model that stays frozen (no-ops off CPU)."""
-    pack_linear_layers(model)
-    use_grouped_query_attention(model)
+    packed = pack_linear_layers(model)
+    if use_grouped_query_attention(model) or packed:
+        keep_freed_memory()

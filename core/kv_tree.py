@@ -149,15 +149,24 @@ class _GrowingLayer(DynamicLayer):
             and (self.get_seq_length() == 0 or self.keys.data_ptr() == buffer.data_ptr())
         )
 
-    def place(self, rows: int, width: int, pieces: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-        """Make the cache `rows` x `width` columns from pieces `(first row, keys, values)`, each right-aligned
-        with zeros (masked columns) before it, in one copy into a buffer that later updates append to."""
-        shape = (rows, self.keys.shape[1], width + max(64, width // 2), self.keys.shape[3])
-        keys, values = self.keys.new_empty(shape), self.values.new_empty(shape)
+    def place(self, rows: int, width: int, pieces: list[tuple[int, torch.Tensor, torch.Tensor]], spare: int | None = None,
+              left_aligned: bool = False) -> None:
+        """Make the cache `rows` x `width` columns from pieces `(first row, keys, values)`, each right-aligned (or
+        left-aligned) with zeros (masked columns) around it, in one copy into a buffer with `spare` columns more
+        for later updates to append to."""
+        like = pieces[0][1] if pieces else self.keys
+        spare = max(64, width // 2) if spare is None else spare
+        shape = (rows, like.shape[1], width + spare, like.shape[3])
+        keys, values = like.new_empty(shape), like.new_empty(shape)
         for start, piece_keys, piece_values in pieces:
-            end, offset = start + piece_keys.shape[0], width - piece_keys.shape[2]
-            keys[start:end, :, :offset], values[start:end, :, :offset] = 0, 0
-            keys[start:end, :, offset:width], values[start:end, :, offset:width] = piece_keys, piece_values
+            end, length = start + piece_keys.shape[0], piece_keys.shape[2]
+            first = 0 if left_aligned else width - length
+            for buffer, piece in ((keys, piece_keys), (values, piece_values)):
+                buffer[start:end, :, :first] = 0
+                buffer[start:end, :, first:first + length] = piece
+                buffer[start:end, :, first + length:width] = 0
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
         self._key_buffer, self._value_buffer = keys, values
         self.keys, self.values = keys[:, :, :width], values[:, :, :width]
 
@@ -242,7 +251,7 @@ class TreeBatch:
         self.cache = DynamicCache()
         self.cache.layer_class_to_replicate = _GrowingLayer
         if reused:
-            self._load_prefixes(matches, reused)
+            self._load_prefixes(matches, reused, width)
         attention = mask
         if reused:  # padding sits inside the rows now: spell the mask out
             columns = torch.arange(reused + width)
@@ -261,17 +270,19 @@ class TreeBatch:
         if self.prefix_cache is not None:
             self._store_prompts(prompts)
 
-    def _load_prefixes(self, matches: list[tuple[CachedPrompt | None, int]], reused: int) -> None:
-        """Put each row's reused prefix KV in the first cache columns (zeros after it, up to column `reused`)."""
+    def _load_prefixes(self, matches: list[tuple[CachedPrompt | None, int]], reused: int, suffix_width: int) -> None:
+        """Put each row's reused prefix KV in the first cache columns (zeros after it, up to column `reused`), with
+        room for the suffix, in one copy."""
         template = next(entry for entry, _ in matches if entry is not None).layers
-        for index, (keys, _) in enumerate(template):
-            shape = (len(matches), keys.shape[1], reused, keys.shape[3])
-            layer_keys, layer_values = keys.new_zeros(shape), keys.new_zeros(shape)
+        for index, (keys, values) in enumerate(template):
+            pieces = []
             for r, (entry, length) in enumerate(matches):
-                if length:
-                    layer_keys[r, :, :length] = entry.layers[index][0][0, :, :length]
-                    layer_values[r, :, :length] = entry.layers[index][1][0, :, :length]
-            self.cache.update(layer_keys, layer_values, index)
+                source_keys, source_values = entry.layers[index] if entry else (keys, values)
+                pieces.append((r, source_keys[:, :, :length], source_values[:, :, :length]))
+            layer = _GrowingLayer()
+            layer.place(len(matches), reused, pieces, spare=suffix_width + max(64, (reused + suffix_width) // 2),
+                        left_aligned=True)
+            self.cache.layers.append(layer)
 
     def _store_prompts(self, prompts: list[list[int]]) -> None:
         """Keep every row's prompt KV (its committed columns) for later requests."""

@@ -1,4 +1,9 @@
 """Word boundaries from the vocabulary, and the KV tree against full re-encoding."""
+import platform
+import subprocess
+import sys
+
+import pytest
 import torch
 
 from adafuse.kv_tree import CachedPrompt, OutputHead, PromptPrefixCache, TreeBatch
@@ -262,3 +267,26 @@ def test_cpu_kernels_give_the_same_logits_with_tree_masks(metaspace_tokenizer):
         for attention_mask in (None, {"full_attention": mask, "sliding_attention": mask}):
             assert torch.allclose(plain(ids, attention_mask=attention_mask).logits,
                                   fast(ids, attention_mask=attention_mask).logits, atol=1e-4)
+
+
+_FAULTS_OF_REPEATED_STEPS = """
+import resource, torch
+from adafuse.cpu_kernels import keep_freed_memory
+kept = keep_freed_memory()
+def step():  # 24 MB blocks, the size of a batched step's log-distributions over Gemma's vocabulary
+    return [torch.ones(6_000_000) for _ in range(3)]
+step(); step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    step()
+print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a glibc malloc setting")
+def test_freed_step_buffers_are_reused_without_faulting_pages_in_again():
+    output = subprocess.run([sys.executable, "-c", _FAULTS_OF_REPEATED_STEPS], capture_output=True, text=True,
+                            check=True).stdout.split()
+    pages_per_run = 5 * 3 * 24_000_000 // 4096  # every page of every block, if each step faulted its blocks in afresh
+    assert output[0] == "True"
+    assert int(output[1]) < pages_per_run // 4
