@@ -13,7 +13,7 @@ grouped matmuls beat SDPA's kernels again by 1.3-2x.
 
 A batched step's log-distributions are large (22 positions x Gemma's 262k vocabulary is 23 MB, twice: logits and
 log-softmax). glibc serves such blocks with fresh `mmap`s or hands them back to the system when freed, so every
-step faults its output in again, page by page: a third of a batched Gemma step on the machines here. PyTorch's
+step faults its output in again, page by page: up to half of a batched Gemma step on the machines here. PyTorch's
 CPU tuning guide answers this with an allocator that keeps freed memory (jemalloc, tcmalloc); `keep_freed_memory`
 gets the same from glibc's own malloc.
 """
