@@ -118,6 +118,11 @@ class OutputHead:
         return logits
 
 
+def _room_to_grow(columns: int) -> int:
+    """Spare columns a cache buffer of `columns` columns gets, so that appending copies the cache only now and then."""
+    return max(64, columns // 2)
+
+
 class _GrowingLayer(DynamicLayer):
     """A cache layer that appends new keys/values into spare capacity.
 
@@ -155,7 +160,7 @@ class _GrowingLayer(DynamicLayer):
         left-aligned) with zeros (masked columns) around it, in one copy into a buffer with `spare` columns more
         for later updates to append to."""
         like = pieces[0][1] if pieces else self.keys
-        spare = max(64, width // 2) if spare is None else spare
+        spare = _room_to_grow(width) if spare is None else spare
         shape = (rows, like.shape[1], width + spare, like.shape[3])
         keys, values = like.new_empty(shape), like.new_empty(shape)
         for start, piece_keys, piece_values in pieces:
@@ -171,7 +176,7 @@ class _GrowingLayer(DynamicLayer):
         self.keys, self.values = keys[:, :, :width], values[:, :, :width]
 
     def _reserve(self, length: int, end: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        capacity = end + max(64, end // 2)
+        capacity = end + _room_to_grow(end)
         keys = key_states.new_empty((*key_states.shape[:2], capacity, key_states.shape[-1]))
         values = value_states.new_empty((*value_states.shape[:2], capacity, value_states.shape[-1]))
         if length:
@@ -280,7 +285,7 @@ class TreeBatch:
                 source_keys, source_values = entry.layers[index] if entry else (keys, values)
                 pieces.append((r, source_keys[:, :, :length], source_values[:, :, :length]))
             layer = _GrowingLayer()
-            layer.place(len(matches), reused, pieces, spare=suffix_width + max(64, (reused + suffix_width) // 2),
+            layer.place(len(matches), reused, pieces, spare=suffix_width + _room_to_grow(reused + suffix_width),
                         left_aligned=True)
             self.cache.layers.append(layer)
 
