@@ -25,6 +25,8 @@ import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -54,8 +56,27 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _HEAP_BLOCK_LIMIT, _KEPT_FREE_MEMORY = 32 << 20, 256 << 20
 _freed_memory_kept = False
 
-# (positions in the forward, flat indices of the real ones, the batch x width mask) while `real_tokens` is active.
-_REAL_TOKENS: ContextVar[tuple[int, torch.Tensor, torch.Tensor] | None] = ContextVar("adafuse_real_tokens", default=None)
+
+@dataclass
+class _RealTokens:
+    """The forward's real tokens while `real_tokens` is active: how many positions it has, the flat indices of the
+    real ones, and the batch x width mask."""
+
+    positions: int
+    index: torch.Tensor
+    mask: torch.Tensor
+
+    @cached_property
+    def right_aligned_counts(self) -> list[int] | None:
+        """Real tokens per row if each row's are its last ones (a padded prompt batch), else None; every layer of a
+        forward asks, so it is worked out once."""
+        counts = self.mask.sum(1).tolist()
+        width = self.mask.shape[1]
+        aligned = all(bool(self.mask[r, width - count:].all()) for r, count in enumerate(counts))
+        return counts if aligned else None
+
+
+_REAL_TOKENS: ContextVar[_RealTokens | None] = ContextVar("adafuse_real_tokens", default=None)
 
 
 @contextmanager
@@ -68,7 +89,7 @@ def real_tokens(real: torch.Tensor) -> Iterator[None]:
     index = flat.nonzero().flatten()
     if len(index) < MIN_GEMM_ROWS:
         index = torch.cat([index, (~flat).nonzero().flatten()[: MIN_GEMM_ROWS - len(index)]]).sort().values
-    token = _REAL_TOKENS.set((flat.numel(), index, real) if len(index) < flat.numel() else None)
+    token = _REAL_TOKENS.set(_RealTokens(flat.numel(), index, real) if len(index) < flat.numel() else None)
     try:
         yield
     finally:
@@ -90,9 +111,9 @@ class PackedLinear(nn.Module):
             return nn.functional.linear(inputs, self.weight, self.bias)  # the packed op has no backward
         bias = None if self.bias is None else self.bias.detach()
         subset = _REAL_TOKENS.get()
-        if subset is None or inputs.shape[:-1].numel() != subset[0]:
+        if subset is None or inputs.shape[:-1].numel() != subset.positions:
             return torch.ops.mkldnn._linear_pointwise(inputs, self.packed, bias, "none", [], "")
-        positions = subset[1]
+        positions = subset.index
         real = torch.ops.mkldnn._linear_pointwise(inputs.reshape(-1, self.in_features).index_select(0, positions),
                                                   self.packed, bias, "none", [], "")
         output = inputs.new_zeros((*inputs.shape[:-1], self.out_features))
@@ -164,13 +185,9 @@ def _right_aligned_queries(batch: int, width: int) -> list[int] | None:
     """Real queries per row when a padded prompt batch (`real_tokens`, suffixes right-aligned) is mostly padding,
     so attention runs row by row over them; None otherwise (one padded call is cheaper)."""
     subset = _REAL_TOKENS.get()
-    if subset is None or subset[2].shape != (batch, width) or len(subset[1]) > 0.75 * batch * width:
+    if subset is None or subset.mask.shape != (batch, width) or len(subset.index) > 0.75 * batch * width:
         return None
-    real = subset[2]
-    counts = real.sum(1).tolist()
-    if not all(bool(real[r, width - count:].all()) for r, count in enumerate(counts)):
-        return None
-    return counts
+    return subset.right_aligned_counts
 
 
 def _few_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
