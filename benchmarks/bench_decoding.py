@@ -60,26 +60,48 @@ def prime_prefix_caches(fuser: AdaFuse, primer: str) -> None:
         backend.start([backend.encode_prompt(primer)])
 
 
-def batch_against_alone(fuser: AdaFuse, batch: list[str], primer: str, repeats: int) -> tuple[list[float], list[float], list, list]:
-    """Wall times of decoding `batch` one prompt at a time and as one batch, interleaved `repeats` times so that
-    drift in the machine's speed hits both alike; returns both lists of times and the last run's results.
+def batch_against_alone(fuser: AdaFuse, prompts: list[str], primer: str | None, repeats: int,
+                        max_batch_size: int | None = None) -> tuple[list[float], list[float], list, list]:
+    """Wall times of decoding `prompts` one at a time and together (at most `max_batch_size` in flight),
+    interleaved `repeats` times so that drift in the machine's speed hits both alike; returns both lists of
+    times and the last run's results. Every run starts from prompt caches holding only `primer` (None: no
+    prompt-prefix reuse at all).
 
     One untimed batch run comes first: the single-prompt runs before this have already warmed what a first call
     of each shape costs (oneDNN kernels built for a new row count, the heap grown to a step's size), and a batch
     has shapes of its own."""
-    prime_prefix_caches(fuser, primer)
-    fuser.generate(batch)
+    def fresh_caches() -> None:
+        if primer is None:
+            for backend in fuser.backends:
+                backend.prefix_cache = None
+        else:
+            prime_prefix_caches(fuser, primer)
+
+    fresh_caches()
+    fuser.generate(prompts, max_batch_size=max_batch_size)
     alone_runs, batch_runs = [], []
     for _ in range(repeats):
-        prime_prefix_caches(fuser, primer)
+        fresh_caches()
         started = time.perf_counter()
-        alone = [fuser.generate(prompt) for prompt in batch]
+        alone = [fuser.generate(prompt) for prompt in prompts]
         alone_runs.append(time.perf_counter() - started)
-        prime_prefix_caches(fuser, primer)
+        fresh_caches()
         started = time.perf_counter()
-        batched = fuser.generate(batch)
+        batched = fuser.generate(prompts, max_batch_size=max_batch_size)
         batch_runs.append(time.perf_counter() - started)
     return alone_runs, batch_runs, batched, alone
+
+
+def print_throughput(label: str, measured: tuple[list[float], list[float], list, list]) -> None:
+    """One throughput figure: the ratio of the median times, the ratio of the fastest runs (the least disturbed
+    by other work on the machine, as `timeit` advises) and every run's ratio."""
+    alone_runs, batch_runs, batched, alone = measured
+    count = len(alone)
+    alone_time, batch_time = statistics.median(alone_runs), statistics.median(batch_runs)
+    print(f"  {label}: {batch_time / count:.3f} s/answer vs {alone_time / count:.3f} alone -> throughput "
+          f"x{alone_time / batch_time:.2f} (medians of {len(alone_runs)} interleaved runs; fastest runs "
+          f"x{min(alone_runs) / min(batch_runs):.2f}; each run x{', x'.join(f'{a / b:.2f}' for a, b in zip(alone_runs, batch_runs))}); "
+          f"answers equal alone: {sum(r.text == a.text for r, a in zip(batched, alone)) / count:.0%}")
 
 
 def main() -> None:
@@ -147,18 +169,11 @@ def main() -> None:
         report(f"{backend.name} generate", seconds, fused_tokens, per_model, len(prompts))
 
     batch = prompts[: args.batch_size]
-    alone_runs, batch_runs, batched, alone = batch_against_alone(fuser, batch, primer, args.repeats)
-    for backend in fuser.backends:
-        backend.prefix_cache = None
-    started = time.perf_counter()
-    fuser.generate(batch)
-    cold_batch_time = time.perf_counter() - started
-    cold_one_by_one = sum(cold_seconds[: len(batch)])
+    together = batch_against_alone(fuser, batch, primer, args.repeats)
+    without_reuse = batch_against_alone(fuser, batch, None, args.repeats)
+    rolling = batch_against_alone(fuser, prompts, primer, args.repeats, max_batch_size=args.batch_size)
     for backend in fuser.backends:
         backend.prefix_cache = PromptPrefixCache()
-    started = time.perf_counter()
-    rolling = fuser.generate(prompts, max_batch_size=args.batch_size)
-    rolling_time = time.perf_counter() - started
 
     print("\nfigures")
     if naive_time is not None:
@@ -167,19 +182,13 @@ def main() -> None:
     print(f"  fused time / sum of single-model generate times (same output tokens): {sum(fused_seconds) / singles:.2f} "
           f"(without prefix reuse: {sum(cold_seconds) / singles:.2f}); answers equal with/without reuse: "
           f"{sum(a == b for a, b in zip(fused, cold)) / len(prompts):.0%}")
-    alone_time, batch_time = statistics.median(alone_runs), statistics.median(batch_runs)
-    print(f"  batch of {len(batch)}: {batch_time / len(batch):.3f} s/answer vs {alone_time / len(batch):.3f} alone "
-          f"-> throughput x{alone_time / batch_time:.2f} (medians of {args.repeats} interleaved runs; each run "
-          f"x{', x'.join(f'{a / b:.2f}' for a, b in zip(alone_runs, batch_runs))}); batched answers equal alone: "
-          f"{sum(r.text == a for r, a in zip(batched, fused)) / len(batch):.0%}")
-    steps_alone = {name: sum(r.stats.forward_passes[name] for r in alone) for name in fuser.model_names}
-    steps_batch = batched[0].stats.forward_passes
+    print_throughput(f"batch of {len(batch)}", together)
+    steps_alone = {name: sum(r.stats.forward_passes[name] for r in together[3]) for name in fuser.model_names}
+    steps_batch = together[2][0].stats.forward_passes
     print("  forward steps for these prompts, alone (summed) vs batched: "
           + ", ".join(f"{name} {steps_alone[name]} vs {steps_batch[name]}" for name in fuser.model_names))
-    print(f"  batch of {len(batch)} without prefix reuse: throughput x{cold_one_by_one / cold_batch_time:.2f}")
-    print(f"  all {len(prompts)} prompts, {args.batch_size} in flight (continuous batching): {rolling_time / len(prompts):.3f} "
-          f"s/answer vs {sum(fused_seconds) / len(prompts):.3f} alone -> throughput x{sum(fused_seconds) / rolling_time:.2f}; "
-          f"answers equal alone: {sum(r.text == a for r, a in zip(rolling, fused)) / len(prompts):.0%}")
+    print_throughput(f"batch of {len(batch)} without prefix reuse", without_reuse)
+    print_throughput(f"all {len(prompts)} prompts, {args.batch_size} in flight (continuous batching)", rolling)
 
 
 if __name__ == "__main__":
