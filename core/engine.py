@@ -26,8 +26,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["AdaFuse"]
 
 Prompt = str | list[Message]
-# Waiting prompts join a running batch once this share of its slots is free: each join costs a prefill
-# forward and a cache copy, so joining in groups beats joining one by one (benchmarks/bench_decoding.py).
+# Waiting prompts join a running batch once this share of its slots is free, or as soon as all of them fit: each
+# join costs a prefill forward and a cache copy, so joining in groups beats joining one by one, but the last group
+# has nobody to wait for (benchmarks/bench_decoding.py).
 _JOIN_AT = 0.5
 
 
@@ -197,7 +198,7 @@ class AdaFuse:
             capacity = max_batch_size or len(prompts)
             while active or waiting:
                 free = capacity - len(active)
-                if waiting and free > 0 and (free >= _JOIN_AT * capacity or not active):
+                if waiting and free > 0 and (free >= min(len(waiting), _JOIN_AT * capacity) or not active):
                     joining = [waiting.popleft() for _ in range(min(len(waiting), free))]
                     self._join(batches, [[ids[r] for r in joining] for ids in encoded], keep_hidden=gate is not None)
                     active += joining

@@ -155,6 +155,21 @@ def test_prompts_joining_a_running_batch_decode_as_alone(pair):
         pair.generate(prompts, max_batch_size=0)
 
 
+def test_the_last_waiting_prompts_join_as_soon_as_they_fit(pair, monkeypatch):
+    running_at_join = []
+    join = AdaFuse._join
+
+    def spy(self, batches, encoded, keep_hidden=False):
+        running_at_join.append(len(batches[0].rows) if batches else 0)
+        join(self, batches, encoded, keep_hidden)
+
+    monkeypatch.setattr(AdaFuse, "_join", spy)
+    prompts = ["The quick brown fox", "Paris is", "In 1969 the first humans", "Once upon a time", PROMPT]
+    together = pair.generate(prompts, max_new_tokens=8, max_batch_size=4)
+    assert running_at_join == [0, 3]  # one free slot of four is enough for the one prompt left waiting
+    assert [r.text for r in together] == [pair.generate(p, max_new_tokens=8).text for p in prompts]
+
+
 def test_generation_is_deterministic_and_counts_work(pair):
     a, b = pair.generate(PROMPT), pair.generate(PROMPT)
     assert a.text == b.text
