@@ -16,11 +16,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
 
-from adafuse import AdaFuse, FusionConfig
+from adafuse import AdaFuse, FusionConfig, GenerationResult
 from adafuse.benchmarks import BENCHMARKS, benchmark_root
 from adafuse.kv_tree import PromptPrefixCache
 
@@ -60,12 +61,21 @@ def prime_prefix_caches(fuser: AdaFuse, primer: str) -> None:
         backend.start([backend.encode_prompt(primer)])
 
 
+class BatchTimings(NamedTuple):
+    """Wall times of the interleaved runs of a set of prompts decoded one at a time and together, and the last
+    run's results of both."""
+
+    alone_runs: list[float]
+    batch_runs: list[float]
+    batched: list[GenerationResult]
+    alone: list[GenerationResult]
+
+
 def batch_against_alone(fuser: AdaFuse, prompts: list[str], primer: str | None, repeats: int,
-                        max_batch_size: int | None = None) -> tuple[list[float], list[float], list, list]:
-    """Wall times of decoding `prompts` one at a time and together (at most `max_batch_size` in flight),
-    interleaved `repeats` times so that drift in the machine's speed hits both alike; returns both lists of
-    times and the last run's results. Every run starts from prompt caches holding only `primer` (None: no
-    prompt-prefix reuse at all).
+                        max_batch_size: int | None = None) -> BatchTimings:
+    """Decode `prompts` one at a time and together (at most `max_batch_size` in flight), interleaved `repeats`
+    times so that drift in the machine's speed hits both alike. Every run starts from prompt caches holding only
+    `primer` (None: no prompt-prefix reuse at all).
 
     One untimed batch run comes first: the single-prompt runs before this have already warmed what a first call
     of each shape costs (oneDNN kernels built for a new row count, the heap grown to a step's size), and a batch
@@ -89,10 +99,10 @@ def batch_against_alone(fuser: AdaFuse, prompts: list[str], primer: str | None, 
         started = time.perf_counter()
         batched = fuser.generate(prompts, max_batch_size=max_batch_size)
         batch_runs.append(time.perf_counter() - started)
-    return alone_runs, batch_runs, batched, alone
+    return BatchTimings(alone_runs, batch_runs, batched, alone)
 
 
-def print_throughput(label: str, measured: tuple[list[float], list[float], list, list]) -> None:
+def print_throughput(label: str, measured: BatchTimings) -> None:
     """One throughput figure: the ratio of the median times, the ratio of the fastest runs (the least disturbed
     by other work on the machine, as `timeit` advises) and every run's ratio."""
     alone_runs, batch_runs, batched, alone = measured
@@ -172,8 +182,6 @@ def main() -> None:
     together = batch_against_alone(fuser, batch, primer, args.repeats)
     without_reuse = batch_against_alone(fuser, batch, None, args.repeats)
     rolling = batch_against_alone(fuser, prompts, primer, args.repeats, max_batch_size=args.batch_size)
-    for backend in fuser.backends:
-        backend.prefix_cache = PromptPrefixCache()
 
     print("\nfigures")
     if naive_time is not None:
@@ -183,8 +191,8 @@ def main() -> None:
           f"(without prefix reuse: {sum(cold_seconds) / singles:.2f}); answers equal with/without reuse: "
           f"{sum(a == b for a, b in zip(fused, cold)) / len(prompts):.0%}")
     print_throughput(f"batch of {len(batch)}", together)
-    steps_alone = {name: sum(r.stats.forward_passes[name] for r in together[3]) for name in fuser.model_names}
-    steps_batch = together[2][0].stats.forward_passes
+    steps_alone = {name: sum(r.stats.forward_passes[name] for r in together.alone) for name in fuser.model_names}
+    steps_batch = together.batched[0].stats.forward_passes
     print("  forward steps for these prompts, alone (summed) vs batched: "
           + ", ".join(f"{name} {steps_alone[name]} vs {steps_batch[name]}" for name in fuser.model_names))
     print_throughput(f"batch of {len(batch)} without prefix reuse", without_reuse)
