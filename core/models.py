@@ -4,16 +4,22 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
+from huggingface_hub import constants as hub_constants
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MODELS", "ModelLoadError", "cache_dir", "load_model", "prepare_default_models", "resolve_model"]
+
+# Environment variables that switch huggingface_hub to offline mode (read at its import; looked up again here).
+_OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 class ModelLoadError(RuntimeError):
@@ -100,7 +106,8 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from an embedded name, a Hugging Face id or a local folder."""
     location = resolve_model(name_or_path)
-    local_only = os.path.isdir(location)
+    unreachable = None if os.path.isdir(location) else _hub_unreachable()
+    local_only = os.path.isdir(location) or unreachable is not None
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=local_only)
         network = AutoModelForCausalLM.from_pretrained(
@@ -108,9 +115,27 @@ def load_model(
         )
     except (OSError, ValueError, KeyError) as error:
         known = ", ".join(DEFAULT_MODELS)
+        where = f"; it is not in the local Hugging Face cache and {unreachable}" if unreachable else ""
         raise ModelLoadError(
-            f"could not load model {name_or_path!r}: {error.__class__.__name__}: {str(error).splitlines()[0]} "
+            f"could not load model {name_or_path!r}{where}: {error.__class__.__name__}: {str(error).splitlines()[0]} "
             f"(embedded models: {known}; otherwise give a Hugging Face id or a local folder)"
         ) from error
     network.eval()
     return network, tokenizer
+
+
+def _hub_unreachable() -> str | None:
+    """Why the Hugging Face hub cannot be asked for a model (offline mode, or its host does not resolve), else None.
+
+    Asked before a hub id is loaded, so that a model missing from the local cache fails at once on a machine
+    without network, instead of after the hub client's retries (about 23 s per file).
+    """
+    offline = [v for v in _OFFLINE_VARIABLES if os.environ.get(v, "").upper() in {"1", "ON", "YES", "TRUE"}]
+    if offline or hub_constants.HF_HUB_OFFLINE:
+        return f"{(offline or _OFFLINE_VARIABLES)[0]} is set"
+    host = urlparse(hub_constants.ENDPOINT).hostname or hub_constants.ENDPOINT
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as error:
+        return f"the hub ({host}) cannot be reached: {error}"
+    return None

@@ -1,4 +1,7 @@
 """Bad input fails early with an error that names the problem."""
+import socket
+
+import huggingface_hub
 import pytest
 
 from adafuse import AdaFuse, FusionConfig, ModelLoadError, load_model
@@ -35,10 +38,27 @@ def test_prompt_of_wrong_type(pair):
 
 def test_unknown_model(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelLoadError, match="no/such-model"):
+    with pytest.raises(ModelLoadError, match="no/such-model'; it is not in the local Hugging Face cache and HF_HUB_OFFLINE is set"):
         load_model("no/such-model")
     with pytest.raises(ModelLoadError, match="could not load model"):
         load_model(str(tmp_path))
+
+
+def test_a_hub_model_fails_at_once_when_the_hub_does_not_resolve(monkeypatch):
+    """No network: the model is looked up in the local cache only, not asked of the hub with retries."""
+    for variable in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(variable, raising=False)
+
+    def no_dns(host, *args, **kwargs):
+        raise socket.gaierror(-2, f"Name or service not known: {host}")
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("the hub was asked although it cannot be reached")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    monkeypatch.setattr(huggingface_hub.file_download, "_get_metadata_or_catch_error", no_download)
+    with pytest.raises(ModelLoadError, match=r"no/such-model'; .* the hub \(huggingface.co\) cannot be reached"):
+        load_model("no/such-model")
 
 
 def test_no_models():
