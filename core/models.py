@@ -130,9 +130,9 @@ def _hub_unreachable() -> str | None:
     Asked before a hub id is loaded, so that a model missing from the local cache fails at once on a machine
     without network, instead of after the hub client's retries (about 23 s per file).
     """
-    offline = [v for v in _OFFLINE_VARIABLES if os.environ.get(v, "").upper() in {"1", "ON", "YES", "TRUE"}]
+    offline = next((v for v in _OFFLINE_VARIABLES if os.environ.get(v, "").upper() in {"1", "ON", "YES", "TRUE"}), None)
     if offline or hub_constants.HF_HUB_OFFLINE:
-        return f"{(offline or _OFFLINE_VARIABLES)[0]} is set"
+        return f"{offline or 'HF_HUB_OFFLINE'} is set"
     host = urlparse(hub_constants.ENDPOINT).hostname or hub_constants.ENDPOINT
     try:
         socket.getaddrinfo(host, 443)
