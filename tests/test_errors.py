@@ -48,6 +48,7 @@ def test_a_hub_model_fails_at_once_when_the_hub_does_not_resolve(monkeypatch):
     """No network: the model is looked up in the local cache only, not asked of the hub with retries."""
     for variable in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
 
     def no_dns(host, *args, **kwargs):
         raise socket.gaierror(-2, f"Name or service not known: {host}")
