@@ -198,7 +198,7 @@ class AdaFuse:
             capacity = max_batch_size or len(prompts)
             while active or waiting:
                 free = capacity - len(active)
-                if waiting and free > 0 and (free >= min(len(waiting), _JOIN_AT * capacity) or not active):
+                if waiting and free > 0 and free >= min(len(waiting), _JOIN_AT * capacity):
                     joining = [waiting.popleft() for _ in range(min(len(waiting), free))]
                     self._join(batches, [[ids[r] for r in joining] for ids in encoded], keep_hidden=gate is not None)
                     active += joining
