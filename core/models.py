@@ -106,8 +106,9 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from an embedded name, a Hugging Face id or a local folder."""
     location = resolve_model(name_or_path)
-    unreachable = None if os.path.isdir(location) else _hub_unreachable()
-    local_only = os.path.isdir(location) or unreachable is not None
+    folder = os.path.isdir(location)
+    unreachable = None if folder else _hub_unreachable()
+    local_only = folder or unreachable is not None
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=local_only)
         network = AutoModelForCausalLM.from_pretrained(
