@@ -64,6 +64,7 @@ def generation_info(result: GenerationResult) -> dict[str, Any]:
         "row_forward_passes": stats.row_forward_passes,
         "tokens_processed": stats.tokens_processed,
         "wall_time_s": stats.wall_time_s,
+        "model_weights": stats.model_weights,
     }
 
 

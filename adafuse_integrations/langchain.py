@@ -11,6 +11,7 @@ from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict, Field, model_validator
 
 from adafuse import AdaFuse
+from adafuse.models import DEFAULT_ENSEMBLE
 from adafuse.result import GenerationResult
 
 from ._common import DecodingParameters, build_engine, decoding_config, engine_options, generation_info, iterate_in_thread
@@ -32,7 +33,7 @@ class AdaFuseLLM(BaseLLM, DecodingParameters):
             llm.invoke("Question: who wrote Hamlet?\\nAnswer:", stop=["\\n"])
     """
 
-    models: list[str] = Field(default_factory=lambda: ["smollm2-135m", "gemma3-270m"])
+    models: list[str] = Field(default_factory=lambda: list(DEFAULT_ENSEMBLE))
     """Embedded model names, Hugging Face ids or local folders (ignored when `engine` is given)."""
     engine: AdaFuse | None = Field(default=None, exclude=True)
     """An already-built engine to reuse (shares loaded weights between wrappers)."""

@@ -10,6 +10,7 @@ from llama_index.core.llms.callbacks import llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
 from adafuse import AdaFuse
+from adafuse.models import DEFAULT_ENSEMBLE
 from adafuse.result import GenerationResult
 
 from ._common import DecodingParameters, build_engine, decoding_config, engine_options, generation_info, iterate_in_thread
@@ -31,7 +32,7 @@ class AdaFuseLLM(CustomLLM, DecodingParameters):
             Settings.llm = AdaFuseLLM(models=["smollm2-135m", "gemma3-270m"], max_new_tokens=64)
     """
 
-    models: list[str] = Field(default_factory=lambda: ["smollm2-135m", "gemma3-270m"], description="model names, ids or folders")
+    models: list[str] = Field(default_factory=lambda: list(DEFAULT_ENSEMBLE), description="model names, ids or folders")
     device_map: Any = Field(default=None, description="accelerate device map, e.g. 'cuda'")
     dtype: Any = Field(default=None, description="torch dtype, e.g. 'bfloat16'")
     stop: list[str] | None = Field(default=None, description="stop sequences")

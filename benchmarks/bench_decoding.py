@@ -39,7 +39,7 @@ def load_prompts(limit: int, bench: str = "nq") -> tuple[list[str], list[str]]:
     benchmark = BENCHMARKS[bench]
     few_shot, rows = benchmark.load(benchmark_root(), limit)
     stop = ["\n"] if bench == "nq" else list(benchmark.stop)
-    return [benchmark.prompt(few_shot, row["question"]) for row in rows], stop
+    return [benchmark.prompt(few_shot, row["question"]) for row in rows.values()], stop
 
 
 def counters(fuser: AdaFuse) -> dict[str, dict[str, int]]:

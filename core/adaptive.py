@@ -166,12 +166,12 @@ def benchmark_tasks(name: str, rows: range, data_root: Path | None = None) -> li
     bench = BENCHMARKS.get(name)
     if bench is None or bench.kind == "translation":
         raise ValueError(f"unknown task {name!r}: use arithmetic or a QA/math benchmark ({', '.join(b for b, v in BENCHMARKS.items() if v.kind != 'translation')})")
-    few_shot, table = bench.load(Path(data_root) if data_root else benchmark_root(), rows.stop)
+    few_shot, table = bench.load(Path(data_root) if data_root else benchmark_root(), len(rows), rows.start)
     return [
         Task(bench.prompt(few_shot, row["question"]),
              lambda completion, answer=row["answer"]: bench.score_row(bench.extract(completion), answer)["accuracy"] > 0,
              tuple(bench.stop))
-        for row in table[rows.start : rows.stop]
+        for row in table.values()
     ]
 
 

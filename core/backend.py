@@ -91,6 +91,16 @@ class ModelBackend:
         already_templated = self.tokenizer.bos_token is not None and text.startswith(self.tokenizer.bos_token)
         return self.tokenizer(text, add_special_tokens=not already_templated)["input_ids"]
 
+    def prompt_offsets(self, text: str) -> list[tuple[int, int]] | None:
+        """Character span of each token of `encode_prompt(text)`, or None where the tokenizer cannot say (slow
+        tokenizers)."""
+        already_templated = self.tokenizer.bos_token is not None and text.startswith(self.tokenizer.bos_token)
+        try:
+            encoded = self.tokenizer(text, add_special_tokens=not already_templated, return_offsets_mapping=True)
+        except NotImplementedError:
+            return None
+        return [tuple(span) for span in encoded["offset_mapping"]]
+
     def encode_piece(self, text: str) -> list[int]:
         """Token ids of a span of generated text, without special tokens (memoised within a request)."""
         ids = self._piece_cache.get(text)
@@ -103,8 +113,9 @@ class ModelBackend:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     # ------------------------------------------------------------------ requests
-    def start(self, prompts: list[list[int]], keep_hidden: bool = False) -> TreeBatch:
-        """Encode prompts into a fresh KV cache, reusing cached prompts' prefixes.
+    def start(self, prompts: list[list[int]], keep_hidden: bool = False, scored: list[list[bool]] | None = None) -> TreeBatch:
+        """Encode prompts into a fresh KV cache, reusing cached prompts' prefixes (`scored`: and compute the NLL of
+        the marked tokens of each prompt, into each row's `prompt_nll`, NaN for the others).
 
         Prompts that share a long prefix with an earlier prompt of the same batch (several questions on one
         context) are encoded in a second forward, after that prompt, so they reuse its KV instead of recomputing it.
@@ -112,16 +123,17 @@ class ModelBackend:
         self._piece_cache.clear()
         later = self.prefix_cache.followers(prompts) if self.prefix_cache else []
         first = [i for i in range(len(prompts)) if i not in later]
-        batch = self._encode_rows([prompts[i] for i in first], keep_hidden)
+        pick = (lambda rows: [scored[i] for i in rows]) if scored is not None else (lambda rows: None)
+        batch = self._encode_rows([prompts[i] for i in first], keep_hidden, pick(first))
         if later:
-            batch.extend(self._encode_rows([prompts[i] for i in later], keep_hidden))
+            batch.extend(self._encode_rows([prompts[i] for i in later], keep_hidden, pick(later)))
             position = {row: k for k, row in enumerate(first + later)}
             batch.reorder([position[i] for i in range(len(prompts))])
         return batch
 
-    def _encode_rows(self, prompts: list[list[int]], keep_hidden: bool) -> TreeBatch:
+    def _encode_rows(self, prompts: list[list[int]], keep_hidden: bool, scored: list[list[bool]] | None) -> TreeBatch:
         return TreeBatch(
-            self.model, prompts, self.pad_token_id, self.counters, self.prefix_cache, keep_hidden, self.output_head
+            self.model, prompts, self.pad_token_id, self.counters, self.prefix_cache, keep_hidden, self.output_head, scored
         )
 
     def end_logprob(self, logprobs: torch.Tensor) -> torch.Tensor:

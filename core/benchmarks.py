@@ -1,6 +1,7 @@
 """The paper's six benchmarks: prompts exactly as in shared/benchmarks/README.md, answer extraction, metrics."""
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -24,13 +25,14 @@ class Benchmark:
     max_new_tokens: int
     stop: tuple[str, ...]
 
-    def load(self, root: Path, limit: int | None = None) -> tuple[str, list[dict]]:
-        """The few-shot prefix and the first `limit` development rows."""
+    def load(self, root: Path, limit: int | None = None, first_row: int = 0) -> tuple[str, dict[int, dict]]:
+        """The few-shot prefix and `limit` development rows from `first_row` on, by row number."""
         folder = root / self.name
         if not (folder / "dev.jsonl").is_file():
             raise FileNotFoundError(f"benchmark {self.name!r}: no dev.jsonl under {folder}")
+        end = first_row + limit if limit is not None else None
         with open(folder / "dev.jsonl") as handle:
-            rows = [json.loads(line) for line, _ in zip(handle, range(limit if limit is not None else 10**9))]
+            rows = {i: json.loads(line) for i, line in enumerate(itertools.islice(handle, first_row, end), start=first_row)}
         return (folder / "prompt.txt").read_text(), rows
 
     def prompt(self, few_shot: str, question: str) -> str:

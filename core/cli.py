@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 from .config import FusionConfig
-from .models import DEFAULT_MODELS, ModelLoadError, cache_dir, prepare_default_models
+from .models import DEFAULT_ENSEMBLE, DEFAULT_MODELS, ModelLoadError, cache_dir, prepare_default_models
 
-DEFAULT_PAIR = ["smollm2-135m", "gemma3-270m"]
+DEFAULT_PAIR = list(DEFAULT_ENSEMBLE)
 
 
 def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +23,10 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-branches", "-B", type=int, default=defaults.num_branches, help="branches when exploring (B)")
     parser.add_argument("--exploration", choices=["topk", "sample"], default=defaults.exploration)
     parser.add_argument("--weights", type=float, nargs="+", default=None, help="per-model weights of the fused NLL")
+    parser.add_argument("--scoring", choices=["mean", "competence"], default=defaults.scoring,
+                        help="mean: the paper's weighted mean NLL; competence: weights scaled per prompt by each model's NLL of its demonstrations")
+    parser.add_argument("--competence-sharpness", type=float, default=defaults.competence_sharpness,
+                        help="how fast a model's weight falls per nat/char it trails the best model by")
     parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
     parser.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable; use '\\n' for newline)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
@@ -43,6 +47,8 @@ def _generate(args: argparse.Namespace) -> int:
         num_branches=args.num_branches,
         exploration=args.exploration,
         model_weights=args.weights,
+        scoring=args.scoring,
+        competence_sharpness=args.competence_sharpness,
         max_new_tokens=args.max_new_tokens,
         stop=[s.encode().decode("unicode_escape") for s in args.stop],
         seed=args.seed,
@@ -92,7 +98,7 @@ def _eval(args: argparse.Namespace) -> int:
     fuser = AdaFuse.from_pretrained(args.models, FusionConfig(seed=args.seed), device_map=args.device_map, dtype=args.dtype)
     evaluator = Evaluator(fuser, benchmark_root(args.data), Path(args.out), max_new_tokens=args.max_new_tokens)
     if not args.report_only:
-        evaluator.run(benches, methods, args.limit, batch_size=args.batch_size)
+        evaluator.run(benches, methods, args.limit, batch_size=args.batch_size, first_row=args.first_row)
     print(evaluator.report(args.invocation))
     return 0
 
@@ -173,6 +179,9 @@ def _models(args: argparse.Namespace) -> int:
     folders = prepare_default_models(args.names or None)
     for name, folder in folders.items():
         print(f"{name}\t{folder}")
+    for model in DEFAULT_MODELS.values():
+        if model.name not in folders and not model.installed:
+            print(f"{model.name}\tnot installed ({model.install_hint})")
     return 0
 
 
@@ -191,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--bench", default="all", help="comma list of nq, triviaqa, squad, gsm8k, flores_en_de, flores_de_en, or all")
     evaluate.add_argument("--methods", default="single,adafuse", help="comma list: single, adafuse, adafuse:tau=X, adafuse:B=N, "
                           "fixed:N, unite, rerank, or the groups ablations, baselines, sweep, all")
-    evaluate.add_argument("--limit", type=int, default=None, help="first N rows of each benchmark")
+    evaluate.add_argument("--limit", type=int, default=None, help="N rows of each benchmark (default: all)")
+    evaluate.add_argument("--first-row", type=int, default=0, help="first development row to run (tune on one slice, report on another)")
     evaluate.add_argument("--out", default="reports/eval", help="folder for predictions.jsonl, report.md and plots")
     evaluate.add_argument("--data", default=None, help="benchmark folder (default: ../shared/benchmarks)")
     evaluate.add_argument("--batch-size", type=int, default=1, help="prompts in flight, continuous batching (1 gives exact per-example times)")

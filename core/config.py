@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 ExplorationKind = Literal["topk", "sample"]
 FusionUnit = Literal["word", "token"]
+Scoring = Literal["mean", "competence"]
+SpanNormalization = Literal["token", "char", "total"]
 
 __all__ = ["FusionConfig"]
 
@@ -27,10 +30,20 @@ class FusionConfig:
         fixed_span_words: when set, every model commits exactly this many words per round with no gate
             and no exploration (the paper's fixed-span ablation).
         model_weights: weight of each model in the fused NLL (defaults to equal weights).
+        scoring: how the models' NLLs of a candidate combine. "mean" is the paper's weighted mean with
+            `model_weights`; "competence" multiplies those weights, per prompt, by
+            exp(-competence_sharpness * (the model's prompt NLL per character - the best model's)), so the
+            model that predicts the prompt best counts most (see `adafuse.scoring`).
+        competence_sharpness: how fast a model's weight falls with its prompt NLL per character (nats/char).
+        span_normalization: each model's NLL of a candidate per token ("token", the paper), per character
+            ("char") or in total ("total", the span's joint probability).
         max_new_tokens: budget counted in tokens of the first model.
         max_rounds: optional cap on decoding rounds.
         max_word_tokens: the most tokens one word may take before it is cut (guards runaway words).
         stop: strings that end generation; the text is cut before the first one found.
+        stop_after_text: look for stop strings only after the first non-whitespace character, so an answer that
+            opens with a newline is not cut to nothing under stop "\n" (the evaluation judges every method by
+            its first non-empty line this way).
         seed: seeds sampling exploration.
         unit: "word" is AdaFuse; "token" is the token-level baseline (UniTE-style): each round pools every
             model's `token_top_k` next tokens by text and picks the highest mean probability.
@@ -54,10 +67,14 @@ class FusionConfig:
     min_p: float = 0.0
     fixed_span_words: int | None = None
     model_weights: list[float] | None = None
+    scoring: Scoring = "competence"
+    competence_sharpness: float = 10.0
+    span_normalization: SpanNormalization = "token"
     max_new_tokens: int = 64
     max_rounds: int | None = None
     max_word_tokens: int = 24
     stop: list[str] = field(default_factory=list)
+    stop_after_text: bool = False
     seed: int = 0
     unit: FusionUnit = "word"
     token_top_k: int = 10
@@ -82,6 +99,10 @@ class FusionConfig:
             ("max_rounds", self.max_rounds is None or self.max_rounds >= 1, "None or at least 1"),
             ("max_word_tokens", self.max_word_tokens >= 1, "at least 1"),
             ("unit", self.unit in ("word", "token"), "'word' or 'token'"),
+            ("scoring", self.scoring in ("mean", "competence"), "'mean' or 'competence'"),
+            ("span_normalization", self.span_normalization in ("token", "char", "total"), "'token', 'char' or 'total'"),
+            ("competence_sharpness", math.isfinite(self.competence_sharpness) and self.competence_sharpness >= 0,
+             "a finite number, at least 0"),
             ("token_top_k", self.token_top_k >= 1, "at least 1"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "a list of non-empty strings"),
             ("num_samples", self.num_samples == 1 or (self.num_samples > 1 and self.samples_adaptively),
@@ -93,8 +114,8 @@ class FusionConfig:
             if not ok:
                 raise ValueError(f"invalid {name}={getattr(self, name)!r}: expected {expected}")
         if self.model_weights is not None:
-            if any(w < 0 for w in self.model_weights) or sum(self.model_weights) <= 0:
-                raise ValueError(f"invalid model_weights={self.model_weights!r}: expected non-negative, not all zero")
+            if any(not math.isfinite(w) or w < 0 for w in self.model_weights) or sum(self.model_weights) <= 0:
+                raise ValueError(f"invalid model_weights={self.model_weights!r}: expected finite, non-negative, not all zero")
             if num_models is not None and len(self.model_weights) != num_models:
                 raise ValueError(f"invalid model_weights={self.model_weights!r}: expected {num_models} weights, one per model")
         return self

@@ -18,8 +18,10 @@ from .chat import Message
 from .config import FusionConfig
 from .fusion_gate import FusionGate, GateDecision, GateSession
 from .kv_tree import TreeBatch
+from .models import DEFAULT_ENSEMBLE
 from .proposals import RowProposals, propose_row
 from .result import CandidateTrace, DecodingStats, GenerationResult, RoundTrace
+from .scoring import competence_weights, nats_per_char, scored_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,8 @@ class _RowState:
     gate_decisions: list[GateDecision] = field(default_factory=list)
     task: Generator | None = None  # the row's rounds, a coroutine driven by the loop
     pieces: list[str] = field(default_factory=list)  # text safe to emit, not yet handed out
+    weights: torch.Tensor | None = None  # each model's weight in this prompt's fused scores
+    competence: list[tuple[list[bool], list[tuple[int, int]] | None]] | None = None  # per model: tokens scored, offsets
 
     def take_pieces(self) -> list[str]:
         pieces, self.pieces = self.pieces, []
@@ -67,7 +71,7 @@ class _LoopContext:
     config: FusionConfig
     gate: GateSession | None
     generator: torch.Generator
-    weights: torch.Tensor
+    weights: torch.Tensor  # the prior (model_weights, normalised); rows scale it by competence
 
 
 class AdaFuse:
@@ -89,7 +93,7 @@ class AdaFuse:
     @classmethod
     def from_pretrained(
         cls,
-        models: Sequence[str] = ("smollm2-135m", "gemma3-270m"),
+        models: Sequence[str] = DEFAULT_ENSEMBLE,
         config: FusionConfig | None = None,
         *,
         device_map: str | dict | None = None,
@@ -200,9 +204,17 @@ class AdaFuse:
                 free = capacity - len(active)
                 if waiting and free > 0 and free >= min(len(waiting), _JOIN_AT * capacity):
                     joining = [waiting.popleft() for _ in range(min(len(waiting), free))]
-                    self._join(batches, [[ids[r] for r in joining] for ids in encoded], keep_hidden=gate is not None)
+                    if self._uses_competence(config):
+                        for r in joining:
+                            rows[r].competence = self._competence_tokens(prompts[r])
+                    scored = [[rows[r].competence[m][0] for r in joining] for m in range(len(self.backends))] \
+                        if self._uses_competence(config) else [None] * len(self.backends)
+                    self._join(batches, [[ids[r] for r in joining] for ids in encoded], keep_hidden=gate is not None,
+                               scored=scored)
                     active += joining
                     for r in joining:
+                        rows[r].weights = self._row_weights(rows[r], active.index(r), context)
+                        rows[r].stats.model_weights = dict(zip(self.model_names, rows[r].weights.tolist()))
                         rows[r].task = self._rounds(r, rows[r], context)
                 finished = []
                 for r in active:
@@ -233,6 +245,27 @@ class AdaFuse:
                     yield r, state.text[state.emitted:]
                 yield r, GenerationResult(state.text, state.finish_reason, state.stats, state.trace)
 
+    def _uses_competence(self, config: FusionConfig) -> bool:
+        return config.scoring == "competence" and len(self.backends) > 1
+
+    def _competence_tokens(self, prompt: Prompt) -> list[tuple[list[bool], list[tuple[int, int]] | None]]:
+        """Per model, which of the prompt's tokens measure competence (so the prefill scores only those) and their
+        character offsets."""
+        marks = []
+        for backend in self.backends:
+            text = backend.render(prompt)
+            offsets = backend.prompt_offsets(text)
+            marks.append((scored_tokens(text, offsets), offsets))
+        return marks
+
+    def _row_weights(self, state: _RowState, position: int, context: _LoopContext) -> torch.Tensor:
+        """The weights of one prompt's fused scores: the prior, scaled by each model's competence on the prompt."""
+        if state.competence is None:
+            return context.weights
+        nats = [nats_per_char(batch.rows[position].prompt_nll or [], scored, offsets)
+                for batch, (scored, offsets) in zip(context.batches, state.competence)]
+        return competence_weights(context.weights, nats, context.config.competence_sharpness)
+
     def _retire(self, finished: list[int], rows: list[_RowState], context: _LoopContext) -> None:
         """Drop finished rows from every batch (keeping the forward passes each took part in) and reclaim dead
         cache columns when they pile up."""
@@ -252,13 +285,17 @@ class AdaFuse:
             if config.unit == "token":
                 proposals = None
                 pool = self._token_pool(batches, context.active.index(r), config)
-                scores = self._token_scores(batches, context.active.index(r), pool, context.weights)
+                scores = self._token_scores(batches, context.active.index(r), pool, state.weights)
             else:
                 proposals = yield from self._propose(r, state, context)
                 pool = self._pool(proposals)
                 paths = [[backend.encode_piece(c.text) for c in pool] for backend in self.backends]
                 yield from self._feed_missing(r, paths, context)
-                scores = self._score(batches, context.active.index(r), pool, paths, context.weights)
+                scores = self._score(batches, context.active.index(r), pool, paths, state.weights, config.span_normalization)
+            if not pool:  # every model offered only tokens that print nothing (special or unused vocabulary slots)
+                logger.warning("no model proposed any text; ending the generation")
+                state.finish_reason = "eos"
+                return
             chosen = pool[min(range(len(pool)), key=lambda c: scores[1][c])]
             self._record_round(state, proposals, pool, scores, chosen)
             piece = self._append(state, chosen, config)
@@ -385,9 +422,12 @@ class AdaFuse:
                 yield r, voted.text
             yield r, GenerationResult(voted.text, voted.finish_reason, stats)
 
-    def _join(self, batches: list[TreeBatch], encoded: list[list[list[int]]], keep_hidden: bool = False) -> None:
-        """Prefill new prompts (token ids per model) and add them as rows to the running batches."""
-        joining = [backend.start(ids, keep_hidden) for backend, ids in zip(self.backends, encoded)]
+    def _join(self, batches: list[TreeBatch], encoded: list[list[list[int]]], keep_hidden: bool = False,
+              scored: list[list[list[bool]] | None] | None = None) -> None:
+        """Prefill new prompts (token ids per model) and add them as rows to the running batches (`scored`: per
+        model, per prompt, the prompt tokens whose NLL competence scoring reads)."""
+        scored = scored or [None] * len(self.backends)
+        joining = [backend.start(ids, keep_hidden, marks) for backend, ids, marks in zip(self.backends, encoded, scored)]
         if not batches:
             batches.extend(joining)
             return
@@ -479,11 +519,12 @@ class AdaFuse:
         return [list(row) for row in zip(*per_model)]
 
     def _score(self, batches: list[TreeBatch], position: int, pool: list[_Candidate], paths: list[list[list[int]]],
-               weights: torch.Tensor) -> tuple[list[list[float]], list[float]]:
-        """Each model's mean token NLL of every candidate of one row (their tokens are in every tree by now), and
-        the weighted fused score. A lone candidate needs no scoring."""
+               weights: torch.Tensor, normalization: str) -> tuple[list[list[float]], list[float]]:
+        """Each model's NLL of every candidate of one row (their tokens are in every tree by now), normalised as
+        configured, and the weighted fused score. A lone candidate needs no scoring."""
         per_model = [
-            [_mean_nll(backend, batch, position, tokens, c.ends) if len(pool) > 1 else 0.0 for tokens, c in zip(model_paths, pool)]
+            [_span_nll(backend, batch, position, tokens, c, normalization) if len(pool) > 1 else 0.0
+             for tokens, c in zip(model_paths, pool)]
             for backend, batch, model_paths in zip(self.backends, batches, paths)
         ]
         nll = [[per_model[m][c] for m in range(len(self.backends))] for c in range(len(pool))]
@@ -515,6 +556,9 @@ class AdaFuse:
         state.new_tokens += len(self.backends[0].encode_piece(chosen.text))
         longest = max((len(s) for s in config.stop), default=0)
         search_from = max(0, before - longest + 1)
+        if config.stop_after_text:
+            text_starts = len(state.text) - len(state.text.lstrip())
+            search_from = max(search_from, text_starts) if text_starts < len(state.text) else len(state.text)
         hits = [i for i in (state.text.find(s, search_from) for s in config.stop) if i >= 0]
         if hits:
             state.text, state.finish_reason = state.text[: min(hits)], "stop"
@@ -523,6 +567,7 @@ class AdaFuse:
         elif state.new_tokens >= config.max_new_tokens or (config.max_rounds and state.stats.rounds >= config.max_rounds):
             state.finish_reason = "length"
             state.text = self._truncate(state.text, config.max_new_tokens)
+            state.new_tokens = len(self.backends[0].encode_piece(state.text))
         safe = len(state.text) if state.finish_reason else len(state.text) - _held_back(state.text, config.stop)
         piece, state.emitted = state.text[state.emitted:safe], max(state.emitted, safe)
         return piece
@@ -531,6 +576,17 @@ class AdaFuse:
         """Cut text to at most max_tokens tokens of the first model, as transformers' generate would."""
         ids = self.backends[0].encode_piece(text)
         return text if len(ids) <= max_tokens else self.backends[0].decode(ids[:max_tokens])
+
+
+def _span_nll(backend: ModelBackend, batch: TreeBatch, row: int, tokens: list[int], candidate: _Candidate,
+              normalization: str) -> float:
+    """A candidate's NLL under one model, per token (the paper), per character (the same unit for every tokenizer)
+    or in total (the joint probability of the span); the end token counts as one of each."""
+    mean = _mean_nll(backend, batch, row, tokens, candidate.ends)
+    count = len(tokens) + candidate.ends
+    if normalization == "token":
+        return mean
+    return mean * count / (len(candidate.text) + candidate.ends) if normalization == "char" else mean * count
 
 
 def _mean_nll(backend: ModelBackend, batch: TreeBatch, row: int, tokens: list[int], ends: bool) -> float:

