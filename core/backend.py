@@ -88,15 +88,17 @@ class ModelBackend:
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a prompt with this tokenizer's usual special tokens (BOS where it adds one)."""
-        already_templated = self.tokenizer.bos_token is not None and text.startswith(self.tokenizer.bos_token)
-        return self.tokenizer(text, add_special_tokens=not already_templated)["input_ids"]
+        return self.tokenizer(text, add_special_tokens=self._adds_special_tokens(text))["input_ids"]
+
+    def _adds_special_tokens(self, text: str) -> bool:
+        """False for text a chat template already opened with BOS."""
+        return not (self.tokenizer.bos_token is not None and text.startswith(self.tokenizer.bos_token))
 
     def prompt_offsets(self, text: str) -> list[tuple[int, int]] | None:
         """Character span of each token of `encode_prompt(text)`, or None where the tokenizer cannot say (slow
         tokenizers)."""
-        already_templated = self.tokenizer.bos_token is not None and text.startswith(self.tokenizer.bos_token)
         try:
-            encoded = self.tokenizer(text, add_special_tokens=not already_templated, return_offsets_mapping=True)
+            encoded = self.tokenizer(text, add_special_tokens=self._adds_special_tokens(text), return_offsets_mapping=True)
         except NotImplementedError:
             return None
         return [tuple(span) for span in encoded["offset_mapping"]]

@@ -101,7 +101,8 @@ class FusionConfig:
             ("unit", self.unit in ("word", "token"), "'word' or 'token'"),
             ("scoring", self.scoring in ("mean", "competence"), "'mean' or 'competence'"),
             ("span_normalization", self.span_normalization in ("token", "char", "total"), "'token', 'char' or 'total'"),
-            ("competence_sharpness", math.isfinite(self.competence_sharpness) and self.competence_sharpness >= 0,
+            ("competence_sharpness", _is_number(self.competence_sharpness) and math.isfinite(self.competence_sharpness)
+             and self.competence_sharpness >= 0,
              "a finite number, at least 0"),
             ("token_top_k", self.token_top_k >= 1, "at least 1"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "a list of non-empty strings"),
@@ -114,7 +115,7 @@ class FusionConfig:
             if not ok:
                 raise ValueError(f"invalid {name}={getattr(self, name)!r}: expected {expected}")
         if self.model_weights is not None:
-            if any(not math.isfinite(w) or w < 0 for w in self.model_weights) or sum(self.model_weights) <= 0:
+            if any(not _is_number(w) or not math.isfinite(w) or w < 0 for w in self.model_weights) or sum(self.model_weights) <= 0:
                 raise ValueError(f"invalid model_weights={self.model_weights!r}: expected finite, non-negative, not all zero")
             if num_models is not None and len(self.model_weights) != num_models:
                 raise ValueError(f"invalid model_weights={self.model_weights!r}: expected {num_models} weights, one per model")
@@ -137,3 +138,7 @@ class FusionConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -204,11 +204,11 @@ class AdaFuse:
                 free = capacity - len(active)
                 if waiting and free > 0 and free >= min(len(waiting), _JOIN_AT * capacity):
                     joining = [waiting.popleft() for _ in range(min(len(waiting), free))]
+                    scored = [None] * len(self.backends)
                     if self._uses_competence(config):
                         for r in joining:
                             rows[r].competence = self._competence_tokens(prompts[r])
-                    scored = [[rows[r].competence[m][0] for r in joining] for m in range(len(self.backends))] \
-                        if self._uses_competence(config) else [None] * len(self.backends)
+                        scored = [[rows[r].competence[m][0] for r in joining] for m in range(len(self.backends))]
                     self._join(batches, [[ids[r] for r in joining] for ids in encoded], keep_hidden=gate is not None,
                                scored=scored)
                     active += joining
@@ -582,23 +582,24 @@ def _span_nll(backend: ModelBackend, batch: TreeBatch, row: int, tokens: list[in
               normalization: str) -> float:
     """A candidate's NLL under one model, per token (the paper), per character (the same unit for every tokenizer)
     or in total (the joint probability of the span); the end token counts as one of each."""
-    mean = _mean_nll(backend, batch, row, tokens, candidate.ends)
-    count = len(tokens) + candidate.ends
-    if normalization == "token":
-        return mean
-    return mean * count / (len(candidate.text) + candidate.ends) if normalization == "char" else mean * count
+    total = _total_nll(backend, batch, row, tokens, candidate.ends)
+    per = {"token": len(tokens), "char": len(candidate.text), "total": 0}[normalization] + candidate.ends
+    return total / max(per, 1)
 
 
 def _mean_nll(backend: ModelBackend, batch: TreeBatch, row: int, tokens: list[int], ends: bool) -> float:
     """Length-normalised NLL of a span (plus the end token when it ends) under this model, given the prefix."""
+    return _total_nll(backend, batch, row, tokens, ends) / (len(tokens) + ends)
+
+
+def _total_nll(backend: ModelBackend, batch: TreeBatch, row: int, tokens: list[int], ends: bool) -> float:
+    """NLL of a span (plus the end token when it ends) under this model, given the prefix."""
     nodes = batch.path_nodes(row, tokens)
     parents = [-1] + nodes[:-1]
     total = sum(float(batch.logprobs(row, p)[t]) for p, t in zip(parents, tokens))
-    count = len(tokens)
     if ends:
         total += float(backend.end_logprob(batch.logprobs(row, nodes[-1] if nodes else -1)))
-        count += 1
-    return -total / count
+    return -total
 
 
 def _held_back(text: str, stops: list[str]) -> int:

@@ -233,7 +233,6 @@ class TreeBatch:
         self.prefix_cache = prefix_cache
         self.keep_hidden = keep_hidden  # final-layer states, for policies that read them (TokenAdapter)
         self.scored = scored  # per row, the prompt tokens whose NLL to compute (competence scoring reads them)
-        self.prompt_nll = scored is not None
         self._hidden: torch.Tensor | None = None
         self._target_nll: torch.Tensor | None = None
         self.pad_token_id = pad_token_id
@@ -250,7 +249,7 @@ class TreeBatch:
 
         Layout per row: the reused prefix (from column 0), padding up to column `reused`, padding, the new suffix
         (right-aligned), so every row's suffix runs in one padded forward over its own reused columns."""
-        matches = [self.prefix_cache.match(p, self.prompt_nll) for p in prompts] if self.prefix_cache else [(None, 0)] * len(prompts)
+        matches = [self.prefix_cache.match(p, self.scored is not None) for p in prompts] if self.prefix_cache else [(None, 0)] * len(prompts)
         lengths = [length for _, length in matches]
         reused = max(lengths)
         suffixes = [p[k:] for p, k in zip(prompts, lengths)]
@@ -275,7 +274,7 @@ class TreeBatch:
         last = torch.zeros_like(input_ids, dtype=torch.bool)
         last[:, -1] = True
         targets = None
-        if self.prompt_nll:  # each suffix position predicts the next suffix token
+        if self.scored is not None:  # each suffix position predicts the next suffix token
             targets = torch.full_like(input_ids, -1)
             for r, (suffix, length) in enumerate(zip(suffixes, lengths)):
                 marks = self.scored[r]
@@ -283,7 +282,7 @@ class TreeBatch:
                 targets[r, width - len(suffix) : width - 1] = torch.where(wanted, torch.tensor(suffix[1:]), -1)
         self.root_logprobs = list(self._run(input_ids, attention, positions[:, reused:], last, mask[:, reused:].bool(), targets))
         self.root_hidden = list(self._hidden) if self.keep_hidden else []
-        if self.prompt_nll:
+        if self.scored is not None:
             for r, (row, suffix, (entry, length)) in enumerate(zip(self.rows, suffixes, matches)):
                 known = entry.token_nll[:length] if entry else []
                 first = entry.token_nll[length] if entry and length < len(entry.ids) and entry.ids[length] == row.ids[length] else float("nan")

@@ -108,7 +108,8 @@ def test_zero_sharpness_reproduces_the_equal_mean_exactly(pair):
 
 
 @pytest.mark.parametrize("bad", [{"scoring": "vote"}, {"competence_sharpness": -1.0}, {"competence_sharpness": math.nan},
-                                 {"model_weights": [1.0, math.nan]}, {"model_weights": [1.0, math.inf]}])
+                                 {"model_weights": [1.0, math.nan]}, {"model_weights": [1.0, math.inf]},
+                                 {"competence_sharpness": "x"}, {"model_weights": ["a", 1.0]}, {"span_normalization": "word"}])
 def test_bad_scoring_parameters_are_named(pair, bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         pair.generate("hi", **bad)
