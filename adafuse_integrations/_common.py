@@ -6,6 +6,7 @@ import dataclasses
 import threading
 import typing
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import closing
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, create_model
@@ -69,21 +70,38 @@ def generation_info(result: GenerationResult) -> dict[str, Any]:
 
 
 async def iterate_in_thread(make_iterator: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
-    """Drive a blocking iterator in a worker thread so the event loop stays free; re-raise its errors."""
+    """Drive a blocking iterator in a worker thread so the event loop stays free; re-raise its errors.
+
+    Closing or cancelling the async iterator stops the worker before its next item (and closes the blocking
+    iterator, which cancels an engine stream), so an abandoned `astream` does not keep decoding.
+    """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
+    abandoned = threading.Event()
+
+    def hand_over(item: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            abandoned.set()
 
     def produce() -> None:
         try:
-            for item in make_iterator():
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+            with closing(make_iterator()) as items:
+                for item in items:
+                    if abandoned.is_set():
+                        break
+                    hand_over(item)
         except BaseException as error:  # handed to the consumer, raised there
-            loop.call_soon_threadsafe(queue.put_nowait, error)
-        loop.call_soon_threadsafe(queue.put_nowait, done)
+            hand_over(error)
+        hand_over(done)
 
-    threading.Thread(target=produce, daemon=True).start()
-    while (item := await queue.get()) is not done:
-        if isinstance(item, BaseException):
-            raise item
-        yield item
+    threading.Thread(target=produce, name="adafuse-astream", daemon=True).start()
+    try:
+        while (item := await queue.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        abandoned.set()

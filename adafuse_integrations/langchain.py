@@ -6,8 +6,11 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import LanguageModelInput
 from langchain_core.language_models.llms import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+from langchain_core.runnables import RunnableConfig
+from langchain_core.runnables.config import get_config_list
 from pydantic import ConfigDict, Field, model_validator
 
 from adafuse import AdaFuse
@@ -61,6 +64,35 @@ class AdaFuseLLM(BaseLLM, DecodingParameters):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return {"models": self.models, **decoding_config(self).to_dict(), "stop": self.stop}
+
+    def batch(
+        self,
+        inputs: list[LanguageModelInput],
+        config: RunnableConfig | list[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[str | Exception]:
+        """As `BaseLLM.batch`; with `return_exceptions`, a prompt the engine refuses gets its own error and the
+        others still decode together (LangChain's default would hand every prompt of the batch the same error)."""
+        if not return_exceptions or not inputs:
+            return super().batch(inputs, config, return_exceptions=return_exceptions, **kwargs)
+        configs = get_config_list(config, len(inputs))
+        options = engine_options(self, kwargs.get("stop"), {k: v for k, v in kwargs.items() if k != "stop"})
+        outputs: list[str | Exception | None] = [None] * len(inputs)
+        accepted = []
+        for i, value in enumerate(inputs):
+            try:
+                self.engine.check_prompt(self._convert_input(value).to_string(), **options)
+                accepted.append(i)
+            except (ValueError, TypeError) as error:
+                outputs[i] = error
+        if accepted:
+            decoded = super().batch([inputs[i] for i in accepted], [configs[i] for i in accepted],
+                                    return_exceptions=True, **kwargs)
+            for i, output in zip(accepted, decoded):
+                outputs[i] = output
+        return outputs
 
     def _run(self, prompts: list[str], stop: list[str] | None, kwargs: dict[str, Any]) -> list[GenerationResult]:
         return self.engine.generate(list(prompts), **engine_options(self, stop, kwargs))

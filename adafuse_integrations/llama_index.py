@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from contextlib import closing
 from typing import Any
 
 from llama_index.core.base.llms.types import CompletionResponse, CompletionResponseAsyncGen, CompletionResponseGen, LLMMetadata
@@ -84,12 +85,13 @@ class AdaFuseLLM(CustomLLM, DecodingParameters):
 
         def gen() -> CompletionResponseGen:
             text = ""
-            for piece in pieces:
-                if isinstance(piece, GenerationResult):
-                    yield CompletionResponse(text=text, delta="", additional_kwargs=generation_info(piece))
-                else:
-                    text += piece
-                    yield CompletionResponse(text=text, delta=piece)
+            with closing(pieces):
+                for piece in pieces:
+                    if isinstance(piece, GenerationResult):
+                        yield CompletionResponse(text=text, delta="", additional_kwargs=generation_info(piece))
+                    else:
+                        text += piece
+                        yield CompletionResponse(text=text, delta=piece)
 
         return gen()
 

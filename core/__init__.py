@@ -1,4 +1,8 @@
 """adafuse: adaptive word-level ensemble decoding of local language models (AdaFuse, arXiv 2601.06022)."""
+from ._threads import bound_openmp_spinning
+
+bound_openmp_spinning()
+
 from .adapters import SequenceAdapter, TokenAdapter
 from .backend import ModelBackend
 from .config import FusionConfig

@@ -15,8 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from .files import write_atomically, write_text_atomically
 
 __all__ = [
     "SHIPPED",
@@ -87,12 +90,21 @@ def reinforce_loss(action_logprobs: torch.Tensor, rewards: torch.Tensor, mask: t
 
 
 def load_checkpoint(path: Path | None, policy: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, list[dict]]:
-    """Resume training from `path` if it exists: restore policy and optimizer; return (steps done, history)."""
+    """Resume training from `path` if it exists: restore policy and optimizer; return (steps done, history).
+
+    The checkpoint is safetensors (tensors) with its structure as JSON metadata: loading it runs no code.
+    """
     if path is None or not Path(path).exists():
         return 0, []
-    state = torch.load(path, weights_only=False)
-    policy.load_state_dict(state["policy"])
-    optimizer.load_state_dict(state["optimizer"])
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+            state = _with_tensors(json.loads(handle.metadata()["state"]), tensors)
+        policy.load_state_dict(state["policy"])
+        optimizer.load_state_dict(state["optimizer"])
+    except Exception as error:
+        raise ValueError(f"{path}: not a training checkpoint this version can resume from ({error}); "
+                         "delete it to start training afresh") from error
     return state["step"], state["history"]
 
 
@@ -109,9 +121,35 @@ def policy_step(optimizer: torch.optim.Optimizer, losses: list[torch.Tensor]) ->
 
 def save_checkpoint(path: Path | None, policy: nn.Module, optimizer: torch.optim.Optimizer, step: int,
                     history: list[dict]) -> None:
-    """Write what `load_checkpoint` resumes from (nothing when `path` is None)."""
-    if path is not None:
-        torch.save({"policy": policy.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "history": history}, path)
+    """Write what `load_checkpoint` resumes from (nothing when `path` is None), replacing the old one atomically."""
+    if path is None:
+        return
+    tensors: dict[str, torch.Tensor] = {}
+    state = {"policy": policy.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "history": history}
+    metadata = {"state": json.dumps(_without_tensors(state, "", tensors))}
+    write_atomically(path, lambda temporary: save_file(tensors, str(temporary), metadata=metadata))
+
+
+def _without_tensors(value: Any, key: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """`value` as JSON, its tensors moved into `tensors` under their path; dicts keep their key types."""
+    if isinstance(value, torch.Tensor):
+        tensors[key] = value.detach().contiguous()
+        return {"tensor": key}
+    if isinstance(value, dict):
+        return {"items": [[k, _without_tensors(v, f"{key}.{k}", tensors)] for k, v in value.items()]}
+    if isinstance(value, (list, tuple)):
+        return [_without_tensors(v, f"{key}.{i}", tensors) for i, v in enumerate(value)]
+    return value
+
+
+def _with_tensors(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(value, dict):
+        if "tensor" in value:
+            return tensors[value["tensor"]]
+        return {k: _with_tensors(v, tensors) for k, v in value["items"]}
+    if isinstance(value, list):
+        return [_with_tensors(v, tensors) for v in value]
+    return value
 
 
 def _mlp(inputs: int, hidden: int, outputs: int) -> nn.Sequential:
@@ -130,8 +168,9 @@ class _Adapter(nn.Module):
     def save(self, folder: str | Path) -> Path:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(folder / "adapter.safetensors"))
-        (folder / "adapter_config.json").write_text(json.dumps({"kind": self.kind, **self.config()}, indent=1))
+        weights = {k: v.contiguous() for k, v in self.state_dict().items()}
+        write_atomically(folder / "adapter.safetensors", lambda temporary: save_file(weights, str(temporary)))
+        write_text_atomically(folder / "adapter_config.json", json.dumps({"kind": self.kind, **self.config()}, indent=1))
         return folder
 
     @classmethod
@@ -141,10 +180,17 @@ class _Adapter(nn.Module):
             config = json.loads((folder / "adapter_config.json").read_text())
         except FileNotFoundError as error:
             raise FileNotFoundError(f"no adapter at {folder}: adapter_config.json is missing") from error
-        if config.pop("kind") != cls.kind:
-            raise ValueError(f"{folder} holds a different kind of adapter, not a {cls.kind} adapter")
-        adapter = cls._from_config(config)
-        adapter.load_state_dict(load_file(str(folder / "adapter.safetensors")))
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"{folder}/adapter_config.json is not valid JSON ({error}); save the adapter again") from None
+        kind = config.pop("kind", None) if isinstance(config, dict) else None
+        if kind != cls.kind:
+            raise ValueError(f"{folder} does not hold a {cls.kind} adapter (its adapter_config.json says kind={kind!r})")
+        try:
+            adapter = cls._from_config(config)
+            adapter.load_state_dict(load_file(str(folder / "adapter.safetensors")))
+        except Exception as error:  # a missing or damaged file, or weights of another shape
+            raise ValueError(f"{folder}: the {cls.kind} adapter cannot be loaded ({error.__class__.__name__}: "
+                             f"{str(error).splitlines()[0] if str(error) else ''}); save it again") from error
         return adapter.eval()
 
     @classmethod

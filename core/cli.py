@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import logging
+import re
 import shlex
 import sys
 import time
 from pathlib import Path
 
 from .config import FusionConfig
+from .files import write_text_atomically
 from .models import DEFAULT_ENSEMBLE, DEFAULT_MODELS, ModelLoadError, cache_dir, prepare_default_models
 
 DEFAULT_PAIR = list(DEFAULT_ENSEMBLE)
@@ -38,6 +41,24 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="e.g. float32, bfloat16 (default: the checkpoint's)")
 
 
+# Python's backslash escapes, matched one by one so that the text around them keeps its own characters.
+_ESCAPE = re.compile(r"\\(?:[\\'\"abfnrtv0]|x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|N\{[^}]+\})")
+
+
+def _unescape(text: str) -> str:
+    """Interpret escapes such as \\n or \\u00e9 in `text`; other characters (é, emoji) stay as they are."""
+    return _ESCAPE.sub(lambda match: codecs.decode(match.group(0), "unicode_escape"), text)
+
+
+def _read_stdin() -> str:
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"the prompt on stdin is not UTF-8 text (byte {data[error.start]:#04x} at offset "
+                         f"{error.start})") from None
+
+
 def _generate(args: argparse.Namespace) -> int:
     from .engine import AdaFuse
 
@@ -50,14 +71,14 @@ def _generate(args: argparse.Namespace) -> int:
         scoring=args.scoring,
         competence_sharpness=args.competence_sharpness,
         max_new_tokens=args.max_new_tokens,
-        stop=[s.encode().decode("unicode_escape") for s in args.stop],
+        stop=[_unescape(s) for s in args.stop],
         seed=args.seed,
         fusion_gate=args.fusion_gate,
         token_adapter=args.token_adapter,
         sequence_adapter=args.sequence_adapter,
         num_samples=args.num_samples,
     ).validate(len(args.models))
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt.encode().decode("unicode_escape") if args.escapes else args.prompt
+    prompt = _read_stdin() if args.prompt == "-" else _unescape(args.prompt) if args.escapes else args.prompt
     load_started = time.perf_counter()
     fuser = AdaFuse.from_pretrained(args.models, config, device_map=args.device_map, dtype=args.dtype)
     loaded = time.perf_counter() - load_started
@@ -113,7 +134,7 @@ def _train_adapter(args: argparse.Namespace) -> int:
     else:
         adapter, history = _train_sampling_adapter(args, out)
     adapter.save(out)
-    (out / "training.json").write_text(json.dumps({"command": args.invocation, "task": args.task, "history": history}, indent=1))
+    write_text_atomically(out / "training.json", json.dumps({"command": args.invocation, "task": args.task, "history": history}, indent=1))
     print(f"saved {out} after {len(history)} steps; mean reward of the last 10: "
           f"{sum(h['reward'] for h in history[-10:]) / max(1, len(history[-10:])):.3f}")
     return 0
@@ -142,7 +163,7 @@ def _train_gate(args: argparse.Namespace, out: Path):
     history = train_fusion_gate(fuser, gate, tasks, steps=args.steps, prompts_per_step=args.prompts_per_step,
                                 samples_per_prompt=args.samples, forward_cost=args.forward_cost,
                                 max_new_tokens=args.max_new_tokens, stop=stop, learning_rate=args.learning_rate,
-                                batch_size=args.batch_size, checkpoint=out / "checkpoint.pt", seed=args.seed)
+                                batch_size=args.batch_size, checkpoint=out / "checkpoint.safetensors", seed=args.seed)
     return gate, history
 
 
@@ -161,7 +182,7 @@ def _train_sampling_adapter(args: argparse.Namespace, out: Path):
         adapter = TokenAdapter(hidden_size, base_model=args.model)
         history = train_token_adapter(backend, adapter, tasks, steps=args.steps, prompts_per_step=args.prompts_per_step,
                                       samples_per_prompt=args.samples, max_new_tokens=args.max_new_tokens,
-                                      learning_rate=args.learning_rate, checkpoint=out / "checkpoint.pt", seed=args.seed)
+                                      learning_rate=args.learning_rate, checkpoint=out / "checkpoint.safetensors", seed=args.seed)
         return adapter, history
     single = reward_table(backend, tasks, list(CANDIDATE_CHOICES), 1, args.max_new_tokens, args.seed)
     choices = [CANDIDATE_CHOICES[i] for i in greedy_coverage(single, args.actions)]
@@ -250,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelLoadError, ValueError, TypeError, FileNotFoundError) as error:
         print(f"adafuse: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("adafuse: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

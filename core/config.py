@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -15,6 +17,9 @@ __all__ = ["FusionConfig"]
 
 # Fields whose None is a setting (off), so an override of None replaces them instead of being ignored.
 _NULLABLE = ("fixed_span_words", "max_rounds", "model_weights", "fusion_gate", "token_adapter", "sequence_adapter")
+
+# Fields holding floats, whose NaN or infinity would silently turn every score into NaN.
+_FLOAT_FIELDS = ("tau_delta", "temperature", "top_p", "min_p", "model_weights", "competence_sharpness")
 
 
 @dataclass
@@ -84,7 +89,13 @@ class FusionConfig:
     num_samples: int = 1
 
     def validate(self, num_models: int | None = None) -> "FusionConfig":
-        """Raise ValueError naming the first parameter out of range; return self."""
+        """Raise TypeError naming the first parameter of the wrong type, ValueError the first out of range;
+        return self."""
+        self._check_types()
+        for name in _FLOAT_FIELDS:
+            values = getattr(self, name)
+            if values is not None and not all(math.isfinite(v) for v in (values if isinstance(values, list) else [values])):
+                raise ValueError(f"invalid {name}={values!r}: expected finite numbers")
         checks = [
             ("tau_delta", 0.0 <= self.tau_delta <= 1.0, "a margin between 0 and 1"),
             ("max_span_words", self.max_span_words >= 1, "at least 1"),
@@ -98,14 +109,13 @@ class FusionConfig:
             ("max_new_tokens", self.max_new_tokens >= 1, "at least 1"),
             ("max_rounds", self.max_rounds is None or self.max_rounds >= 1, "None or at least 1"),
             ("max_word_tokens", self.max_word_tokens >= 1, "at least 1"),
+            ("seed", 0 <= self.seed < 2**64, "in [0, 2**64)"),
             ("unit", self.unit in ("word", "token"), "'word' or 'token'"),
             ("scoring", self.scoring in ("mean", "competence"), "'mean' or 'competence'"),
             ("span_normalization", self.span_normalization in ("token", "char", "total"), "'token', 'char' or 'total'"),
-            ("competence_sharpness", _is_number(self.competence_sharpness) and math.isfinite(self.competence_sharpness)
-             and self.competence_sharpness >= 0,
-             "a finite number, at least 0"),
+            ("competence_sharpness", self.competence_sharpness >= 0, "at least 0"),
             ("token_top_k", self.token_top_k >= 1, "at least 1"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "a list of non-empty strings"),
+            ("stop", all(self.stop), "a list of non-empty strings"),
             ("num_samples", self.num_samples == 1 or (self.num_samples > 1 and self.samples_adaptively),
              "1, or more with a token_adapter or sequence_adapter (fused decoding is deterministic)"),
             ("fusion_gate", self.fusion_gate is None or not self.samples_adaptively,
@@ -115,11 +125,19 @@ class FusionConfig:
             if not ok:
                 raise ValueError(f"invalid {name}={getattr(self, name)!r}: expected {expected}")
         if self.model_weights is not None:
-            if any(not _is_number(w) or not math.isfinite(w) or w < 0 for w in self.model_weights) or sum(self.model_weights) <= 0:
-                raise ValueError(f"invalid model_weights={self.model_weights!r}: expected finite, non-negative, not all zero")
+            if any(w < 0 for w in self.model_weights) or sum(self.model_weights) <= 0:
+                raise ValueError(f"invalid model_weights={self.model_weights!r}: expected non-negative, not all zero")
             if num_models is not None and len(self.model_weights) != num_models:
                 raise ValueError(f"invalid model_weights={self.model_weights!r}: expected {num_models} weights, one per model")
         return self
+
+    def _check_types(self) -> None:
+        hints = typing.get_type_hints(FusionConfig)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if not _has_type(value, hints[f.name]):
+                raise TypeError(f"invalid {f.name}={value!r}: expected {_describe(hints[f.name])}, "
+                                f"got {type(value).__name__}")
 
     @property
     def samples_adaptively(self) -> bool:
@@ -140,5 +158,37 @@ class FusionConfig:
         return dataclasses.asdict(self)
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _has_type(value: Any, hint: Any) -> bool:
+    """Whether `value` fits a field's annotation (bools are not numbers here; ranges are checked after)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(_has_type(value, arg) for arg in args)
+    if origin is Literal:
+        return isinstance(value, str)
+    if origin is list:
+        return isinstance(value, list) and all(_has_type(item, args[0]) for item in value)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _describe(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return " or ".join(_describe(arg) for arg in args)
+    if origin is Literal:
+        return "a string"
+    if origin is list:
+        return f"a list of {_LIST_ITEMS.get(args[0], args[0].__name__)}"
+    if hint is type(None):
+        return "None"
+    return {float: "a number", int: "an integer", bool: "True or False", str: "a string"}.get(hint, hint.__name__)
+
+
+_LIST_ITEMS = {float: "numbers", str: "strings"}

@@ -6,6 +6,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Generator, Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,20 +15,20 @@ import torch
 from .adapters import SamplingChoice, SequenceAdapter, TokenAdapter, _Adapter
 from .adaptive import AdaptiveSampler, majority_index, prompt_embeddings
 from .backend import ModelBackend
-from .chat import Message
 from .config import FusionConfig
 from .fusion_gate import FusionGate, GateDecision, GateSession
 from .kv_tree import TreeBatch
 from .models import DEFAULT_ENSEMBLE
+from .prompts import Prompt, normalize_prompt, normalize_prompts
 from .proposals import RowProposals, propose_row
 from .result import CandidateTrace, DecodingStats, GenerationResult, RoundTrace
 from .scoring import competence_weights, nats_per_char, scored_tokens
+from .streaming import in_worker_thread
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AdaFuse"]
 
-Prompt = str | list[Message]
 # Waiting prompts join a running batch once this share of its slots is free, or as soon as all of them fit: each
 # join costs a prefill forward and a cache copy, so joining in groups beats joining one by one, but the last group
 # has nobody to wait for (benchmarks/bench_decoding.py).
@@ -137,8 +138,7 @@ class AdaFuse:
         """
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
-        single = isinstance(prompt, str) or _is_messages(prompt)
-        prompts = [prompt] if single else list(prompt)
+        prompts, single = normalize_prompts(prompt)
         results: list[GenerationResult | None] = [None] * len(prompts)
         for event in self._decode(prompts, self._call_config(overrides), trace, max_batch_size, gate):
             if isinstance(event, tuple) and isinstance(event[1], GenerationResult):
@@ -148,12 +148,19 @@ class AdaFuse:
     def stream(self, prompt: Prompt, *, trace: bool = False, **overrides: Any) -> Iterator[str | GenerationResult]:
         """Yield text pieces as rounds commit them, then the final `GenerationResult`.
 
-        Text that could be the start of a stop sequence is held back until it is known not to be one.
+        Text that could be the start of a stop sequence is held back until it is known not to be one. The decode
+        runs in a worker thread: a stream left unread does not block other calls, and closing it cancels it.
         """
-        for event in self._decode([prompt], self._call_config(overrides), trace):
-            piece = event[1]
-            if isinstance(piece, GenerationResult) or piece:
-                yield piece
+        events = self._decode([normalize_prompt(prompt)], self._call_config(overrides), trace)
+        with closing(in_worker_thread(events)) as pieces:
+            for _, piece in pieces:
+                if isinstance(piece, GenerationResult) or piece:
+                    yield piece
+
+    def check_prompt(self, prompt: Prompt, **overrides: Any) -> None:
+        """Raise the ValueError or TypeError that `generate(prompt, **overrides)` would raise for this prompt
+        (malformed, empty, or too long for a model's context window), without decoding anything."""
+        self._encode([normalize_prompt(prompt)], self._call_config(overrides))
 
     def _call_config(self, overrides: dict[str, Any]) -> FusionConfig:
         return self.check_config(self.config.update(**overrides))
@@ -161,6 +168,11 @@ class AdaFuse:
     def check_config(self, config: FusionConfig) -> FusionConfig:
         """Validate `config` for these models, loading its fusion gate if it names one; return it."""
         config.validate(len(self.backends))
+        vocab = min(b.vocab_size for b in self.backends)
+        for name in ("num_branches", "token_top_k"):
+            if getattr(config, name) > vocab:
+                raise ValueError(f"invalid {name}={getattr(config, name)}: above the smallest vocabulary of these "
+                                 f"models ({vocab} tokens)")
         self._gate_session(config)
         self._sampling_policies(config)
         return config
@@ -282,6 +294,9 @@ class AdaFuse:
         the node ids they got; it returns when the prompt is finished."""
         config, batches = context.config, context.batches
         while True:
+            if min(self._room(context, r)) < _deepest_proposal(config):
+                state.finish_reason = "length"  # the next round's proposals could run past a context window
+                return
             if config.unit == "token":
                 proposals = None
                 pool = self._token_pool(batches, context.active.index(r), config)
@@ -290,6 +305,11 @@ class AdaFuse:
                 proposals = yield from self._propose(r, state, context)
                 pool = self._pool(proposals)
                 paths = [[backend.encode_piece(c.text) for c in pool] for backend in self.backends]
+                fitting, paths = _fitting(pool, paths, self._room(context, r))
+                if pool and not fitting:
+                    state.finish_reason = "length"
+                    return
+                pool = fitting
                 yield from self._feed_missing(r, paths, context)
                 scores = self._score(batches, context.active.index(r), pool, paths, state.weights, config.span_normalization)
             if not pool:  # every model offered only tokens that print nothing (special or unused vocabulary slots)
@@ -308,6 +328,11 @@ class AdaFuse:
             position = context.active.index(r)
             for batch, span in zip(batches, spans):
                 batch.commit_row(position, span)
+
+    def _room(self, context: _LoopContext, r: int) -> list[int]:
+        """Per model, how many more positions row r may take before it reaches that model's context window."""
+        position = context.active.index(r)
+        return [b.context_window - len(batch.rows[position].ids) for b, batch in zip(self.backends, context.batches)]
 
     def _propose(self, r: int, state: _RowState, context: _LoopContext) -> Generator[dict, dict, list[RowProposals]]:
         """Run every model's proposal coroutine for row r side by side; return their proposals."""
@@ -444,13 +469,9 @@ class AdaFuse:
 
     @staticmethod
     def _encode_for(backend: ModelBackend, prompts: list[Prompt], config: FusionConfig) -> list[list[int]]:
-        """One model's token ids of each prompt; an empty, malformed or too long prompt raises, naming why."""
+        """One model's token ids of each (normalised) prompt; a too long prompt raises, naming the model."""
         encoded = []
         for prompt in prompts:
-            if isinstance(prompt, str) and not prompt.strip():
-                raise ValueError("prompt is empty")
-            if not isinstance(prompt, str) and not _is_messages(prompt):
-                raise TypeError(f"a prompt must be a string or a list of chat messages, not {type(prompt).__name__}")
             ids = backend.encode_prompt(backend.render(prompt))
             if len(ids) + config.max_new_tokens > backend.context_window:
                 raise ValueError(
@@ -510,7 +531,7 @@ class AdaFuse:
         with self._lock:
             for backend in self.backends:
                 backend.reset_counters()  # left counting this call's work, for callers that report it
-            batches = self._start([prompt], self.config)
+            batches = self._start([normalize_prompt(prompt)], self.config)
             per_model = []
             for backend, batch in zip(self.backends, batches):
                 paths = [backend.encode_piece(text) for text in continuations]
@@ -575,7 +596,13 @@ class AdaFuse:
     def _truncate(self, text: str, max_tokens: int) -> str:
         """Cut text to at most max_tokens tokens of the first model, as transformers' generate would."""
         ids = self.backends[0].encode_piece(text)
-        return text if len(ids) <= max_tokens else self.backends[0].decode(ids[:max_tokens])
+        if len(ids) <= max_tokens:
+            return text
+        cut = self.backends[0].decode(ids[:max_tokens])
+        while cut.endswith("\ufffd") and "\ufffd" not in text:  # the cut split a character's bytes: drop it whole
+            max_tokens -= 1
+            cut = self.backends[0].decode(ids[:max_tokens])
+        return cut
 
 
 def _span_nll(backend: ModelBackend, batch: TreeBatch, row: int, tokens: list[int], candidate: _Candidate,
@@ -602,6 +629,19 @@ def _total_nll(backend: ModelBackend, batch: TreeBatch, row: int, tokens: list[i
     return -total
 
 
+def _deepest_proposal(config: FusionConfig) -> int:
+    """The most positions one round's proposals can add beyond a row's committed tokens (plus the end token)."""
+    if config.unit == "token":
+        return 2
+    return (config.fixed_span_words or config.max_span_words) * config.max_word_tokens + 1
+
+
+def _fitting(pool: list[_Candidate], paths: list[list[list[int]]], room: list[int]) -> tuple[list[_Candidate], list[list[list[int]]]]:
+    """The candidates (and their per-model token paths) that every model can score within its context window."""
+    keep = [i for i, c in enumerate(pool) if all(len(p[i]) + c.ends <= space for p, space in zip(paths, room))]
+    return [pool[i] for i in keep], [[p[i] for i in keep] for p in paths]
+
+
 def _held_back(text: str, stops: list[str]) -> int:
     """How many trailing characters could still become a stop sequence."""
     return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
@@ -610,6 +650,3 @@ def _held_back(text: str, stops: list[str]) -> int:
 def _hidden_size(backend: ModelBackend) -> int:
     return backend.model.config.get_text_config().hidden_size
 
-
-def _is_messages(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)

@@ -15,6 +15,7 @@ from .benchmarks import BENCHMARKS, Benchmark, corpus_translation_scores
 from .comparison import compare_with_members
 from .config import FusionConfig
 from .engine import AdaFuse
+from .files import append_jsonl, read_jsonl, write_atomically, write_text_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -139,10 +140,7 @@ class Evaluator:
         return self._ensembles[names]
 
     def done(self) -> set[tuple[str, str, int]]:
-        if not self.predictions.exists():
-            return set()
-        with open(self.predictions) as handle:
-            return {(r["bench"], r["method"], r["index"]) for r in map(json.loads, handle)}
+        return {(r["bench"], r["method"], r["index"]) for r in read_jsonl(self.predictions)}
 
     def run(self, benches: list[str], methods: list[str], limit: int | None, batch_size: int = 1, first_row: int = 0) -> None:
         """Run every method over `limit` rows (from `first_row` on) of every benchmark, `batch_size` prompts in
@@ -166,9 +164,7 @@ class Evaluator:
                     prompts = [bench.prompt(few_shot, rows[i]["question"]) for i in chunk]
                     outcomes = self._run_method(method, bench, prompts, batch_size)
                     progress.update(len(chunk))
-                    with open(self.predictions, "a") as handle:
-                        for i, outcome in zip(chunk, outcomes):
-                            handle.write(json.dumps(self._record(bench, method, i, rows[i], outcome)) + "\n")
+                    append_jsonl(self.predictions, [self._record(bench, method, i, rows[i], o) for i, o in zip(chunk, outcomes)])
 
     def _record(self, bench: Benchmark, method: str, index: int, row: dict, outcome: _Outcome) -> dict[str, Any]:
         prediction = bench.extract(outcome.completion)
@@ -216,8 +212,7 @@ class Evaluator:
     # ------------------------------------------------------------------ report
     def report(self, command: str) -> Path:
         """Aggregate the JSONL into report.md and PNG plots; return the report path."""
-        with open(self.predictions) as handle:
-            records = [json.loads(line) for line in handle]
+        records = read_jsonl(self.predictions)
         groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
         for record in records:
             groups[(record["bench"], record["method"])].append(record)
@@ -247,8 +242,8 @@ class Evaluator:
         for figure in _plots(summary, self.out_dir):
             lines += [f"![{figure.stem}]({figure.name})", ""]
         path = self.out_dir / "report.md"
-        path.write_text("\n".join(lines))
-        (self.out_dir / "summary.json").write_text(json.dumps({f"{b}/{m}": s for (b, m), s in summary.items()}, indent=1))
+        write_text_atomically(path, "\n".join(lines))
+        write_text_atomically(self.out_dir / "summary.json", json.dumps({f"{b}/{m}": s for (b, m), s in summary.items()}, indent=1))
         return path
 
 
@@ -333,7 +328,7 @@ def _plots(summary: dict[tuple[str, str], dict], out_dir: Path) -> list[Path]:
     axes[0][0].set_ylabel("primary metric")
     fig.tight_layout()
     figures.append(out_dir / "accuracy_vs_forward_passes.png")
-    fig.savefig(figures[-1], dpi=100)
+    write_atomically(figures[-1], lambda temporary: fig.savefig(temporary, format="png", dpi=100))
     plt.close(fig)
 
     sweep = {b: sorted((float(m.split("=")[1]) if "tau=" in m else 0.7, s["primary"]) for (bb, m), s in summary.items()
@@ -348,7 +343,7 @@ def _plots(summary: dict[tuple[str, str], dict], out_dir: Path) -> list[Path]:
         axis.legend(fontsize=7)
         fig.tight_layout()
         figures.append(out_dir / "tau_sweep.png")
-        fig.savefig(figures[-1], dpi=100)
+        write_atomically(figures[-1], lambda temporary: fig.savefig(temporary, format="png", dpi=100))
         plt.close(fig)
 
     histogram: Counter = Counter()
@@ -362,6 +357,6 @@ def _plots(summary: dict[tuple[str, str], dict], out_dir: Path) -> list[Path]:
         axis.set_ylabel("rounds")
         fig.tight_layout()
         figures.append(out_dir / "words_per_round.png")
-        fig.savefig(figures[-1], dpi=100)
+        write_atomically(figures[-1], lambda temporary: fig.savefig(temporary, format="png", dpi=100))
         plt.close(fig)
     return figures

@@ -1,10 +1,12 @@
 """Loading models: the two embedded GGUF defaults (converted once, then cached) or any HF id / folder."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import logging
 import os
+import shutil
 import socket
 import tempfile
 from collections.abc import Callable, Iterator
@@ -121,22 +123,56 @@ def cache_dir() -> Path:
 
 
 def _convert_gguf(model: EmbeddedModel, target: Path) -> None:
-    """Dequantise a GGUF file once into a plain transformers folder (safetensors + tokenizer)."""
-    with model.gguf() as gguf:
+    """Dequantise a GGUF file once into a plain transformers folder (safetensors + tokenizer) at `target`.
+
+    The folder is written in a temporary directory of this process and moved into place in one rename, under a
+    file lock, so concurrent conversions wait for each other and a crash never leaves a half-written folder.
+    """
+    with _cache_lock(target), model.gguf() as gguf:
+        if (target / "config.json").is_file():
+            return  # another process converted it while this one waited for the lock
         if not gguf.is_file():
             raise ModelLoadError(f"{model.name}: GGUF file {gguf} is missing ({model.install_hint})")
         logger.info("converting %s from %s (once; later loads use %s)", model.name, gguf, target)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         network = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The weights are already dequantised tensors; the GGUF marker only blocks save_pretrained.
-    network.hf_quantizer = None
-    network.is_quantized = False
-    if hasattr(network.config, "quantization_config"):
-        del network.config.quantization_config
-    partial = target.with_name(target.name + ".partial")
-    network.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(target)
+        # The weights are already dequantised tensors; the GGUF marker only blocks save_pretrained.
+        network.hf_quantizer = None
+        network.is_quantized = False
+        if hasattr(network.config, "quantization_config"):
+            del network.config.quantization_config
+        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+        try:
+            network.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            if target.exists():  # a folder left without config.json by an older version or a manual copy
+                shutil.rmtree(target)
+            staging.rename(target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextmanager
+def _cache_lock(target: Path) -> Iterator[None]:
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _writable_cache() -> Path:
+    """The model cache folder, created if needed; a ModelLoadError saying what to set when it cannot be used."""
+    folder = cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-")
+        probe.close()
+    except OSError as error:
+        raise ModelLoadError(f"cannot use {folder} as the model cache ({error.strerror or error}): set ADAFUSE_CACHE "
+                             "to a writable folder") from None
+    return folder
 
 
 def prepare_default_models(names: list[str] | None = None) -> dict[str, Path]:
@@ -150,8 +186,7 @@ def resolve_model(name_or_path: str) -> str:
         return name_or_path
     target = cache_dir() / name_or_path
     if not (target / "config.json").is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _convert_gguf(DEFAULT_MODELS[name_or_path], target)
+        _convert_gguf(DEFAULT_MODELS[name_or_path], _writable_cache() / name_or_path)
     return str(target)
 
 
@@ -163,7 +198,8 @@ def load_model(
     **model_kwargs: Any,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from an embedded name, a Hugging Face id or a local folder."""
-    location = resolve_model(name_or_path)
+    location = os.path.expanduser(resolve_model(name_or_path))
+    _check_local_path(name_or_path, location)
     folder = os.path.isdir(location)
     unreachable = None if folder else _hub_unreachable()
     local_only = folder or unreachable is not None
@@ -172,7 +208,12 @@ def load_model(
         network = AutoModelForCausalLM.from_pretrained(
             location, device_map=device_map, dtype=dtype or "auto", local_files_only=local_only, **model_kwargs
         )
-    except (OSError, ValueError, KeyError) as error:
+    except Exception as error:  # every loader failure becomes one error that names the model
+        if name_or_path in DEFAULT_MODELS:
+            raise ModelLoadError(
+                f"the cached conversion of {name_or_path!r} at {location} cannot be loaded ({error.__class__.__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}); delete that folder and it is converted again"
+            ) from error
         known = ", ".join(DEFAULT_MODELS)
         where = f"; it is not in the local Hugging Face cache and {unreachable}" if unreachable else ""
         raise ModelLoadError(
@@ -181,6 +222,19 @@ def load_model(
         ) from error
     network.eval()
     return network, tokenizer
+
+
+def _check_local_path(name: str, location: str) -> None:
+    """Refuse a path that is not a model folder before transformers reads it as a hub id."""
+    looks_local = name.startswith(("/", "./", "../", "~")) or os.path.exists(location)
+    if not looks_local or name in DEFAULT_MODELS:
+        return
+    path = Path(location)
+    if not path.exists():
+        raise ModelLoadError(f"no model folder at {name!r} (embedded models: {', '.join(DEFAULT_MODELS)})")
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise ModelLoadError(f"{name!r} is not a transformers model folder (no config.json in it); give the folder "
+                             "that save_pretrained wrote")
 
 
 def _hub_unreachable() -> str | None:

@@ -64,7 +64,7 @@ def test_save_load_round_trip(tmp_path):
     assert loaded_sequence.choices == choices and loaded_sequence.base_model == "smollm2-135m"
     assert torch.equal(loaded_sequence(embedding, budgets), sequence(embedding, budgets))
     assert torch.equal(loaded_token(states, features), token(states, features))
-    with pytest.raises(ValueError, match="different kind"):
+    with pytest.raises(ValueError, match="does not hold a token adapter"):
         TokenAdapter.load(tmp_path / "seq")
     with pytest.raises(FileNotFoundError, match="no adapter"):
         TokenAdapter.load(tmp_path / "missing")
@@ -106,7 +106,7 @@ def test_training_a_few_steps_runs_and_resumes(llama_backend, tmp_path):
     tasks = [Task("Question: who wrote Hamlet?\nAnswer:", lambda text: len(text) % 2 == 0),
              Task("The quick brown fox", lambda text: len(text) % 2 == 0)]
     before = [p.detach().clone() for p in adapter.parameters()]
-    checkpoint = tmp_path / "checkpoint.pt"
+    checkpoint = tmp_path / "checkpoint.safetensors"
     history = train_token_adapter(llama_backend, adapter, tasks, steps=2, prompts_per_step=2, samples_per_prompt=3,
                                   max_new_tokens=4, checkpoint=checkpoint)
     assert [h["step"] for h in history] == [1, 2] and checkpoint.exists()

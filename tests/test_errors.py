@@ -40,8 +40,10 @@ def test_unknown_model(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelLoadError, match="no/such-model'; it is not in the local Hugging Face cache and HF_HUB_OFFLINE is set"):
         load_model("no/such-model")
-    with pytest.raises(ModelLoadError, match="could not load model"):
+    with pytest.raises(ModelLoadError, match="not a transformers model folder"):
         load_model(str(tmp_path))
+    with pytest.raises(ModelLoadError, match="no model folder at '/no/such/folder'"):
+        load_model("/no/such/folder")
 
 
 def test_a_hub_model_fails_at_once_when_the_hub_does_not_resolve(monkeypatch):

@@ -1,5 +1,8 @@
 """The Qwen GGUF assembled from its six packages: checked after assembly, with clear errors when it is not whole."""
 import hashlib
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -48,3 +51,89 @@ def test_a_corrupt_part_fails_the_checksum_and_leaves_nothing_behind(fake_parts,
         with QWEN.gguf():
             pass
     assert not any((tmp_path / "cache" / "models").iterdir())
+
+
+class _FakeConversion:
+    """Stands in for transformers' GGUF loading: what it saves, and how many conversions ran."""
+
+    def __init__(self, monkeypatch, delay: float = 0.0):
+        self.runs = 0
+        fake = self
+
+        class Saved:
+            config = object()
+
+            def __init__(self, *args, **kwargs):
+                fake.runs += 1
+                time.sleep(delay)
+
+            @classmethod
+            def from_pretrained(cls, *args, **kwargs):
+                return cls()
+
+            def save_pretrained(self, folder):
+                (Path(folder) / "config.json").write_text("{}")
+                (Path(folder) / "model.safetensors").write_bytes(b"weights")
+
+        class Tokenizer(Saved):
+            def __init__(self):
+                pass
+
+            def save_pretrained(self, folder):
+                (Path(folder) / "tokenizer.json").write_text("{}")
+
+        monkeypatch.setattr(models, "AutoModelForCausalLM", Saved)
+        monkeypatch.setattr(models, "AutoTokenizer", Tokenizer)
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAFUSE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "models"
+
+
+def test_a_folder_left_without_config_is_converted_again(cache, monkeypatch):
+    conversion = _FakeConversion(monkeypatch)
+    (cache / "smollm2-135m").mkdir(parents=True)
+    (cache / "smollm2-135m" / "stray.bin").write_bytes(b"half")
+    for _ in range(2):
+        assert models.resolve_model("smollm2-135m") == str(cache / "smollm2-135m")
+    assert conversion.runs == 1
+    assert sorted(p.name for p in (cache / "smollm2-135m").iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+
+
+def test_concurrent_conversions_wait_for_each_other_and_leave_no_temporary_files(cache, monkeypatch):
+    conversion = _FakeConversion(monkeypatch, delay=0.3)
+    results, errors = [], []
+
+    def resolve():
+        try:
+            results.append(models.resolve_model("smollm2-135m"))
+        except Exception as error:  # collected, asserted below
+            errors.append(error)
+
+    threads = [threading.Thread(target=resolve) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors and len(set(results)) == 1 and conversion.runs == 1
+    assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == ["smollm2-135m"]
+
+
+def test_an_unusable_cache_location_says_what_to_set(tmp_path, monkeypatch):
+    _FakeConversion(monkeypatch)
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("ADAFUSE_CACHE", str(tmp_path / "a-file"))
+    with pytest.raises(ModelLoadError, match="ADAFUSE_CACHE"):
+        models.resolve_model("smollm2-135m")
+
+
+def test_a_damaged_cached_model_says_to_delete_it(cache, llama_backend):
+    folder = cache / "smollm2-135m"
+    llama_backend.model.save_pretrained(folder)
+    llama_backend.tokenizer.save_pretrained(folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ModelLoadError, match="delete that folder"):
+        models.load_model("smollm2-135m")
