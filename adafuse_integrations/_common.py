@@ -5,14 +5,14 @@ import asyncio
 import dataclasses
 import threading
 import typing
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import closing
+from collections.abc import AsyncIterator, Callable, Generator
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, create_model
 
 from adafuse import AdaFuse, FusionConfig
 from adafuse.result import GenerationResult
+from adafuse.streaming import DONE, drive_in_thread
 
 T = TypeVar("T")
 
@@ -69,7 +69,7 @@ def generation_info(result: GenerationResult) -> dict[str, Any]:
     }
 
 
-async def iterate_in_thread(make_iterator: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
+async def iterate_in_thread(make_iterator: Callable[[], Generator[T, None, None]]) -> AsyncIterator[T]:
     """Drive a blocking iterator in a worker thread so the event loop stays free; re-raise its errors.
 
     Closing or cancelling the async iterator stops the worker before its next item (and closes the blocking
@@ -77,31 +77,19 @@ async def iterate_in_thread(make_iterator: Callable[[], Iterator[T]]) -> AsyncIt
     """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-    abandoned = threading.Event()
+    stopped = threading.Event()
 
     def hand_over(item: Any) -> None:
         try:
             loop.call_soon_threadsafe(queue.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
-            abandoned.set()
+            stopped.set()
 
-    def produce() -> None:
-        try:
-            with closing(make_iterator()) as items:
-                for item in items:
-                    if abandoned.is_set():
-                        break
-                    hand_over(item)
-        except BaseException as error:  # handed to the consumer, raised there
-            hand_over(error)
-        hand_over(done)
-
-    threading.Thread(target=produce, name="adafuse-astream", daemon=True).start()
+    drive_in_thread(make_iterator, hand_over, stopped, "adafuse-astream")
     try:
-        while (item := await queue.get()) is not done:
+        while (item := await queue.get()) is not DONE:
             if isinstance(item, BaseException):
                 raise item
             yield item
     finally:
-        abandoned.set()
+        stopped.set()

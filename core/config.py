@@ -18,9 +18,6 @@ __all__ = ["FusionConfig"]
 # Fields whose None is a setting (off), so an override of None replaces them instead of being ignored.
 _NULLABLE = ("fixed_span_words", "max_rounds", "model_weights", "fusion_gate", "token_adapter", "sequence_adapter")
 
-# Fields holding floats, whose NaN or infinity would silently turn every score into NaN.
-_FLOAT_FIELDS = ("tau_delta", "temperature", "top_p", "min_p", "model_weights", "competence_sharpness")
-
 
 @dataclass
 class FusionConfig:
@@ -92,10 +89,6 @@ class FusionConfig:
         """Raise TypeError naming the first parameter of the wrong type, ValueError the first out of range;
         return self."""
         self._check_types()
-        for name in _FLOAT_FIELDS:
-            values = getattr(self, name)
-            if values is not None and not all(math.isfinite(v) for v in (values if isinstance(values, list) else [values])):
-                raise ValueError(f"invalid {name}={values!r}: expected finite numbers")
         checks = [
             ("tau_delta", 0.0 <= self.tau_delta <= 1.0, "a margin between 0 and 1"),
             ("max_span_words", self.max_span_words >= 1, "at least 1"),
@@ -132,12 +125,16 @@ class FusionConfig:
         return self
 
     def _check_types(self) -> None:
+        """Every field against its annotation; a NaN or infinity, which would turn every score into NaN, is a
+        ValueError."""
         hints = typing.get_type_hints(FusionConfig)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if not _has_type(value, hints[f.name]):
                 raise TypeError(f"invalid {f.name}={value!r}: expected {_describe(hints[f.name])}, "
                                 f"got {type(value).__name__}")
+            if not _finite(value):
+                raise ValueError(f"invalid {f.name}={value!r}: expected finite numbers")
 
     @property
     def samples_adaptively(self) -> bool:
@@ -156,6 +153,9 @@ class FusionConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+_LIST_ITEMS = {float: "numbers", str: "strings"}
 
 
 def _has_type(value: Any, hint: Any) -> bool:
@@ -178,6 +178,11 @@ def _has_type(value: Any, hint: Any) -> bool:
     return isinstance(value, hint)
 
 
+def _finite(value: Any) -> bool:
+    items = value if isinstance(value, list) else [value]
+    return all(math.isfinite(item) for item in items if isinstance(item, float))
+
+
 def _describe(hint: Any) -> str:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (types.UnionType, typing.Union):
@@ -190,5 +195,3 @@ def _describe(hint: Any) -> str:
         return "None"
     return {float: "a number", int: "an integer", bool: "True or False", str: "a string"}.get(hint, hint.__name__)
 
-
-_LIST_ITEMS = {float: "numbers", str: "strings"}

@@ -189,8 +189,6 @@ class AdaFuse:
         """Every prompt runs its own rounds as a coroutine (`_rounds`); each step runs one forward per model over
         whatever scratch tokens every row needs next, whichever phase of its round a row is in, so rows never
         wait for each other's rounds."""
-        if not prompts:
-            raise ValueError("no prompt given")
         if config.samples_adaptively:
             yield from self._sample(prompts, config, max_batch_size)
             return

@@ -128,28 +128,34 @@ def _convert_gguf(model: EmbeddedModel, target: Path) -> None:
     The folder is written in a temporary directory of this process and moved into place in one rename, under a
     file lock, so concurrent conversions wait for each other and a crash never leaves a half-written folder.
     """
-    with _cache_lock(target), model.gguf() as gguf:
+    with _cache_lock(target):
         if (target / "config.json").is_file():
             return  # another process converted it while this one waited for the lock
+        _convert_locked(model, target)
+
+
+def _convert_locked(model: EmbeddedModel, target: Path) -> None:
+    """Read the GGUF, write the folder in a staging directory beside `target`, and rename it into place."""
+    with model.gguf() as gguf:
         if not gguf.is_file():
             raise ModelLoadError(f"{model.name}: GGUF file {gguf} is missing ({model.install_hint})")
         logger.info("converting %s from %s (once; later loads use %s)", model.name, gguf, target)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         network = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        # The weights are already dequantised tensors; the GGUF marker only blocks save_pretrained.
-        network.hf_quantizer = None
-        network.is_quantized = False
-        if hasattr(network.config, "quantization_config"):
-            del network.config.quantization_config
-        staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
-        try:
-            network.save_pretrained(staging)
-            tokenizer.save_pretrained(staging)
-            if target.exists():  # a folder left without config.json by an older version or a manual copy
-                shutil.rmtree(target)
-            staging.rename(target)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    # The weights are already dequantised tensors; the GGUF marker only blocks save_pretrained.
+    network.hf_quantizer = None
+    network.is_quantized = False
+    if hasattr(network.config, "quantization_config"):
+        del network.config.quantization_config
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        network.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if target.exists():  # a folder left without config.json by an older version or a manual copy
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 @contextmanager
@@ -212,7 +218,8 @@ def load_model(
         if name_or_path in DEFAULT_MODELS:
             raise ModelLoadError(
                 f"the cached conversion of {name_or_path!r} at {location} cannot be loaded ({error.__class__.__name__}: "
-                f"{str(error).splitlines()[0] if str(error) else ''}); delete that folder and it is converted again"
+                f"{str(error).splitlines()[0] if str(error) else ''}); if it is damaged, delete that folder and it is "
+                "converted again"
             ) from error
         known = ", ".join(DEFAULT_MODELS)
         where = f"; it is not in the local Hugging Face cache and {unreachable}" if unreachable else ""

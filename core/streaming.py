@@ -1,4 +1,4 @@
-"""Streams that never hold the engine's lock while the caller is away.
+"""Iterators driven in a worker thread, so nothing the caller does between items holds up the producer.
 
 A stream is driven in a worker thread and hands its events over a queue: a caller that stops reading (but keeps
 the stream) lets the decode finish on its own, so other calls on the engine do not wait for the caller; a caller
@@ -8,36 +8,44 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Generator, Iterator
-from typing import TypeVar
+from collections.abc import Callable, Generator, Iterator
+from contextlib import closing
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-_DONE = object()
+DONE = object()
+"""Handed over after the last item (and after the error, when the producer raised one)."""
+
+
+def drive_in_thread(make_events: Callable[[], Generator], hand_over: Callable[[Any], None], stopped: threading.Event,
+                    name: str) -> None:
+    """In a daemon thread, make the events and hand each one over, then the error if one is raised, then DONE;
+    once `stopped` is set, close the events before the next one."""
+
+    def drive() -> None:
+        try:
+            with closing(make_events()) as events:
+                for event in events:
+                    if stopped.is_set():
+                        break
+                    hand_over(event)
+        except BaseException as error:  # raised in the consumer's thread
+            hand_over(error)
+        hand_over(DONE)
+
+    threading.Thread(target=drive, name=name, daemon=True).start()
 
 
 def in_worker_thread(events: Generator[T, None, None]) -> Iterator[T]:
     """Yield what `events` yields, driving it in a daemon thread; its errors are raised here."""
     handed: queue.SimpleQueue = queue.SimpleQueue()
-    cancelled = threading.Event()
-
-    def drive() -> None:
-        try:
-            for event in events:
-                if cancelled.is_set():
-                    break
-                handed.put(event)
-        except BaseException as error:  # raised in the caller's thread
-            handed.put(error)
-        finally:
-            events.close()
-            handed.put(_DONE)
-
-    threading.Thread(target=drive, name="adafuse-stream", daemon=True).start()
+    stopped = threading.Event()
+    drive_in_thread(lambda: events, handed.put, stopped, "adafuse-stream")
     try:
-        while (item := handed.get()) is not _DONE:
+        while (item := handed.get()) is not DONE:
             if isinstance(item, BaseException):
                 raise item
             yield item
     finally:
-        cancelled.set()
+        stopped.set()
