@@ -3,7 +3,7 @@
 PyTorch's CPU build uses libgomp, whose idle threads spin 300,000 times before sleeping. Beside another busy
 process on the same cores that spinning takes the cores the other needs: on a 2-core CPU one fused answer took
 3.7-4.9 s instead of about 1.1 s. Bounded to 10,000 spins it took about as long alone and 2.2-3.8 s beside the
-same process, about its share; `OMP_WAIT_POLICY=PASSIVE` costs 40-70 % alone (`benchmarks/bench_contention.py`,
+same process, about its share; `OMP_WAIT_POLICY=PASSIVE` costs 25-70 % alone (`benchmarks/bench_contention.py`,
 `reports/reliability.md`).
 """
 from __future__ import annotations
