@@ -32,7 +32,7 @@ class AdaFuseLLM(BaseLLM, DecodingParameters):
 
             from adafuse_integrations.langchain import AdaFuseLLM
 
-            llm = AdaFuseLLM(models=["smollm2-135m", "gemma3-270m"], max_new_tokens=64)
+            llm = AdaFuseLLM(max_new_tokens=64)  # models=[...] for others than the embedded defaults
             llm.invoke("Question: who wrote Hamlet?\\nAnswer:", stop=["\\n"])
     """
 

@@ -30,7 +30,7 @@ class AdaFuseLLM(CustomLLM, DecodingParameters):
             from llama_index.core import Settings
             from adafuse_integrations.llama_index import AdaFuseLLM
 
-            Settings.llm = AdaFuseLLM(models=["smollm2-135m", "gemma3-270m"], max_new_tokens=64)
+            Settings.llm = AdaFuseLLM(max_new_tokens=64)  # models=[...] for others than the embedded defaults
     """
 
     models: list[str] = Field(default_factory=lambda: list(DEFAULT_ENSEMBLE), description="model names, ids or folders")

@@ -14,13 +14,17 @@ the adapter's action set and for the adapter's per-prompt choice.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
 
 from adafuse import ModelBackend
-from adafuse.adapters import SamplingChoice, SequenceAdapter, TokenAdapter
-from adafuse.adaptive import AdaptiveSampler, arithmetic_tasks, benchmark_tasks, best_of, prompt_embeddings, task_stop
+from adafuse import SamplingFilter
+from adafuse.sampling.policies import SequenceAdapter, TokenAdapter
+from adafuse.sampling.adaptive import AdaptiveSampler, prompt_embeddings
+from adafuse.training.adapters import best_of
+from adafuse.training.tasks import arithmetic_tasks, benchmark_tasks, task_stop
 
 # Rows decoded together: bounds the KV cache of long benchmark prompts.
 BATCH_ROWS = 64
@@ -28,6 +32,7 @@ BATCH_ROWS = 64
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default=os.environ.get("ADAFUSE_DATA", "../shared/benchmarks"), help="benchmark folder")
     parser.add_argument("--adapter", required=True, help="token adapter folder")
     parser.add_argument("--sequence-adapter", default=None, help="sequence adapter folder")
     parser.add_argument("--task", default="arithmetic", help="arithmetic or a QA/math benchmark (e.g. squad)")
@@ -42,12 +47,12 @@ def main() -> None:
     if args.task == "arithmetic":
         tasks = arithmetic_tasks(args.limit, seed=args.seed)
     else:
-        tasks = benchmark_tasks(args.task, range(args.first_row, args.first_row + args.limit))
+        tasks = benchmark_tasks(args.task, range(args.first_row, args.first_row + args.limit), args.data)
     prompts = [task.prompt for task in tasks]
     print(f"{backend.name}: {len(tasks)} held-aside {args.task} tasks, budget {args.max_new_tokens} tokens")
-    methods = {"greedy": (None, SamplingChoice())}
-    methods.update({f"temperature {t}": (None, SamplingChoice(temperature=t)) for t in (0.3, 0.7, 1.0)})
-    methods["token adapter"] = (adapter, SamplingChoice())
+    methods = {"greedy": (None, SamplingFilter())}
+    methods.update({f"temperature {t}": (None, SamplingFilter(temperature=t)) for t in (0.3, 0.7, 1.0)})
+    methods["token adapter"] = (adapter, SamplingFilter())
     for name, (policy, choice) in methods.items():
         started = time.perf_counter()
         rollouts = AdaptiveSampler(backend, policy).sample(prompts, choice=choice, max_new_tokens=args.max_new_tokens,
@@ -107,11 +112,11 @@ def _plot(budgets: tuple[int, ...], curves: dict[str, list[float]], path: str, t
     print(f"plot: {path}")
 
 
-def _label(choice: SamplingChoice) -> str:
+def _label(choice: SamplingFilter) -> str:
     if choice.temperature == 0:
         return "greedy"
     extras = [f"{k}={v}" for k, v in (("top_k", choice.top_k), ("top_p", choice.top_p), ("min_p", choice.min_p))
-              if v != SamplingChoice.__dataclass_fields__[k].default]
+              if v != SamplingFilter.__dataclass_fields__[k].default]
     return "T=" + str(choice.temperature) + ("," + ",".join(extras) if extras else "")
 
 

@@ -11,6 +11,7 @@ peak resident memory, and answer agreement; then the ratio figures of the perfor
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import sys
@@ -22,8 +23,8 @@ import torch
 from tqdm import tqdm
 
 from adafuse import AdaFuse, FusionConfig, GenerationResult
-from adafuse.benchmarks import BENCHMARKS, benchmark_root
-from adafuse.kv_tree import PromptPrefixCache
+from adafuse.eval.benchmarks import BENCHMARKS, benchmark_root
+from adafuse.runtime import PromptPrefixCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from naive_adafuse import NaiveAdaFuse  # noqa: E402
@@ -34,10 +35,13 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def load_prompts(limit: int, bench: str = "nq") -> tuple[list[str], list[str]]:
+DATA = os.environ.get("ADAFUSE_DATA", str(Path("..") / "shared" / "benchmarks"))
+
+
+def load_prompts(limit: int, bench: str = "nq", data: str = DATA) -> tuple[list[str], list[str]]:
     """The first `limit` prompts of a QA benchmark and the stop sequences to decode them with."""
     benchmark = BENCHMARKS[bench]
-    few_shot, rows = benchmark.load(benchmark_root(), limit)
+    few_shot, rows = benchmark.load(benchmark_root(data), limit)
     stop = ["\n"] if bench == "nq" else list(benchmark.stop)
     return [benchmark.prompt(few_shot, row["question"]) for row in rows.values()], stop
 

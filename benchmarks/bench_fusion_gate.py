@@ -11,15 +11,17 @@ curve, the gate as a point).
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from pathlib import Path
 
 from adafuse import AdaFuse
-from adafuse.adaptive import arithmetic_tasks, benchmark_tasks, task_stop
+from adafuse.training.tasks import arithmetic_tasks, benchmark_tasks, task_stop
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default=os.environ.get("ADAFUSE_DATA", "../shared/benchmarks"), help="benchmark folder")
     parser.add_argument("--gate", nargs="+", required=True, help="fusion gate folders or shipped names")
     parser.add_argument("--task", default="arithmetic", help="arithmetic or a QA/math benchmark")
     parser.add_argument("--limit", type=int, default=200)
@@ -34,7 +36,7 @@ def main() -> None:
     if args.task == "arithmetic":
         tasks = arithmetic_tasks(args.limit, seed=args.seed)
     else:
-        tasks = benchmark_tasks(args.task, range(args.first_row, args.first_row + args.limit))
+        tasks = benchmark_tasks(args.task, range(args.first_row, args.first_row + args.limit), args.data)
     fuser = AdaFuse.from_pretrained(max_new_tokens=args.max_new_tokens, stop=list(task_stop(tasks)))
     fuser.generate(tasks[0].prompt)  # warm-up
     print(f"{args.task}: {len(tasks)} held-aside tasks, max_new_tokens={args.max_new_tokens}, batch {args.batch_size}")

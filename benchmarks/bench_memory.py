@@ -1,7 +1,7 @@
 """Resident memory over many generations of varied prompt lengths: it must level off, not grow with every shape.
 
 oneDNN caches one kernel per input shape; the packed linear layers round row counts up to a bounded set of
-sizes (`adafuse.cpu_kernels.row_bucket`) so that cache stays small. `--no-bucketing` shows the growth without.
+sizes (`adafuse.kernels.cpu.row_bucket`) so that cache stays small. `--no-bucketing` shows the growth without.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/bench_memory.py --generations 2000
 """
@@ -13,7 +13,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from adafuse import AdaFuse, cpu_kernels
+from adafuse import AdaFuse
+from adafuse.kernels import cpu as cpu_kernels
 
 WORDS = "the river bank moon football ensemble decoding fuses several language models words".split()
 

@@ -3,7 +3,7 @@
 Like the published code it keeps no KV cache across calls and batches nothing: every word proposal
 re-encodes the whole prefix, and every candidate is scored by one full forward over prefix + candidate,
 one candidate and one model at a time. Tokenisation, gating, exploration, scoring and stopping follow
-`adafuse.engine` exactly, so the two must produce the same answers.
+`adafuse.fusion` exactly, so the two must produce the same answers.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from adafuse import FusionConfig, ModelBackend
-from adafuse.kv_tree import _cache_argument
+from adafuse.runtime.model_runner import cache_argument
 
 
 class NaiveAdaFuse:
@@ -22,7 +22,7 @@ class NaiveAdaFuse:
     def _forward(self, backend: ModelBackend, ids: list[int], cache: DynamicCache | None = None) -> torch.Tensor:
         backend.counters["forward_passes"] += 1
         backend.counters["tokens"] += len(ids)
-        logits = backend.model(torch.tensor([ids]), use_cache=cache is not None, **{_cache_argument(backend.model): cache}).logits[0]
+        logits = backend.model(torch.tensor([ids]), use_cache=cache is not None, **{cache_argument(backend.model): cache}).logits[0]
         return torch.log_softmax(logits.float(), dim=-1)
 
     def _greedy_branch(self, backend: ModelBackend, prefix: list[int], first: int, explored: bool, margin: float, budget: int):

@@ -13,7 +13,8 @@ from collections import defaultdict
 
 from bench_decoding import load_prompts, prime_prefix_caches
 
-from adafuse import AdaFuse, kv_tree
+from adafuse import AdaFuse
+from adafuse.runtime import ForwardTiming
 
 
 def main() -> None:
@@ -28,25 +29,22 @@ def main() -> None:
     prime_prefix_caches(fuser, prompts[0])  # only the shared few-shot prefix cached, as in steady state
 
     forwards: dict[tuple[str, str, int, int], list[float]] = defaultdict(lambda: [0, 0.0])
-    run = kv_tree.TreeBatch._run
 
-    def timed(self, input_ids, *args):
-        started = time.perf_counter()
-        logprobs = run(self, input_ids, *args)
-        kind = "step" if hasattr(self, "root_logprobs") else "prefill"
-        entry = forwards[(self.model.config.model_type, kind, *input_ids.shape)]
+    def record(timing: ForwardTiming) -> None:
+        entry = forwards[(timing.model_type, timing.kind, timing.rows, timing.tokens_per_row)]
         entry[0] += 1
-        entry[1] += time.perf_counter() - started
-        return logprobs
+        entry[1] += timing.seconds
 
-    kv_tree.TreeBatch._run = timed
+    for backend in fuser.backends:
+        backend.runner.on_forward = record
     profile = cProfile.Profile()
     started = time.perf_counter()
     profile.enable()
     fuser.generate(prompts[1:], max_batch_size=args.batch_size)
     profile.disable()
     total = time.perf_counter() - started
-    kv_tree.TreeBatch._run = run
+    for backend in fuser.backends:
+        backend.runner.on_forward = None
 
     in_forward = sum(seconds for _, seconds in forwards.values())
     print(f"{args.limit} answers: {total:.2f} s, {in_forward:.2f} s ({in_forward / total:.0%}) inside model forwards")

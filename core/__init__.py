@@ -3,18 +3,18 @@ from ._threads import bound_openmp_spinning
 
 bound_openmp_spinning()
 
-from .adapters import SequenceAdapter, TokenAdapter
 from .backend import ModelBackend
-from .config import FusionConfig
-from .engine import AdaFuse
-from .fusion_gate import FusionGate
+from .config import DecodingMode, FusionConfig, SamplingFilter
+from .fusion import AdaFuse, FusionGate
 from .models import DEFAULT_MODELS, ModelLoadError, load_model, prepare_default_models
 from .result import CandidateTrace, DecodingStats, GenerationResult, RoundTrace
+from .sampling import SequenceAdapter, TokenAdapter
 
 __all__ = [
     "AdaFuse",
     "CandidateTrace",
     "DEFAULT_MODELS",
+    "DecodingMode",
     "DecodingStats",
     "FusionConfig",
     "FusionGate",
@@ -22,6 +22,7 @@ __all__ = [
     "ModelBackend",
     "ModelLoadError",
     "RoundTrace",
+    "SamplingFilter",
     "SequenceAdapter",
     "TokenAdapter",
     "load_model",

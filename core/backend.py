@@ -8,9 +8,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from .chat import Message, render_chat
-from .kv_tree import OutputHead, PromptPrefixCache, TreeBatch
+from .kernels import prepare_for_cpu
 from .models import load_model
-from .cpu_kernels import prepare_for_cpu
+from .runtime import ModelRunner, OutputHead, PromptPrefixCache, TreeBatch, prefill
 from .words import word_start_table
 
 logger = logging.getLogger(__name__)
@@ -25,8 +25,12 @@ class ModelBackend:
 
     Per-request state lives in the `TreeBatch` that `start()` returns (the KV cache and scratch tree of a
     batch of prompts); the backend keeps only the KV of the last prompt, reused by prompts that begin the same
-    way. One backend serves many requests, one at a time. On CPU the model gets faster kernels (`cpu_kernels`:
-    oneDNN-packed linear layers, copy-free grouped-query attention), which treat the weights as frozen.
+    way. One backend serves many requests, one at a time.
+
+    With `cpu_kernels=True` a CPU model gets faster kernels (`adafuse.kernels`: oneDNN-packed linear layers,
+    copy-free grouped-query attention, a malloc that keeps freed memory), which change the model object and treat
+    its weights as frozen; so a model you pass in is left as it is unless you ask. `from_pretrained`, which loads
+    a model of its own, asks by default.
     """
 
     def __init__(
@@ -36,13 +40,13 @@ class ModelBackend:
         name: str | None = None,
         *,
         reuse_prompt_prefix: bool = True,
-        cpu_kernels: bool = True,
+        cpu_kernels: bool = False,
     ):
         self.model = model.eval()
-        if cpu_kernels:
-            prepare_for_cpu(self.model)
+        tuning = prepare_for_cpu(self.model) if cpu_kernels else None
         self.prefix_cache = PromptPrefixCache() if reuse_prompt_prefix else None
-        self.output_head = OutputHead.of(self.model)
+        self.counters = {"forward_passes": 0, "tokens": 0}
+        self.runner = ModelRunner(self.model, self.counters, tuning, OutputHead.of(self.model))
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", None) or model.config.model_type
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
@@ -50,7 +54,7 @@ class ModelBackend:
         self.end_ids = self._end_token_ids()
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.end_ids)
         self.context_window = _context_window(model.config)
-        self.counters = {"forward_passes": 0, "tokens": 0}
+        self.hidden_size = _text_config(model.config).hidden_size
         self._piece_cache: dict[str, list[int]] = {}
 
     @classmethod
@@ -134,9 +138,7 @@ class ModelBackend:
         return batch
 
     def _encode_rows(self, prompts: list[list[int]], keep_hidden: bool, scored: list[list[bool]] | None) -> TreeBatch:
-        return TreeBatch(
-            self.model, prompts, self.pad_token_id, self.counters, self.prefix_cache, keep_hidden, self.output_head, scored
-        )
+        return prefill(self.runner, prompts, self.pad_token_id, self.prefix_cache, keep_hidden, scored)
 
     def end_logprob(self, logprobs: torch.Tensor) -> torch.Tensor:
         """Log-probability of ending the sequence here, over all of this model's end tokens."""
@@ -149,8 +151,12 @@ class ModelBackend:
         return counts
 
 
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _context_window(config) -> int:
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text_config = _text_config(config)
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(text_config, name, None)
         if isinstance(value, int) and value > 0:

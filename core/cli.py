@@ -5,6 +5,7 @@ import argparse
 import codecs
 import json
 import logging
+import os
 import re
 import shlex
 import sys
@@ -15,12 +16,13 @@ from .config import FusionConfig
 from .files import write_text_atomically
 from .models import DEFAULT_ENSEMBLE, DEFAULT_MODELS, ModelLoadError, cache_dir, prepare_default_models
 
-DEFAULT_PAIR = list(DEFAULT_ENSEMBLE)
+# Where the benchmark data sits when neither --data nor $ADAFUSE_DATA says: beside the project, as in a checkout.
+_FALLBACK_DATA = Path("..") / "shared" / "benchmarks"
 
 
 def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
     defaults = FusionConfig()
-    parser.add_argument("--models", nargs="+", default=DEFAULT_PAIR, help="embedded names, Hugging Face ids or local folders")
+    parser.add_argument("--models", nargs="+", default=list(DEFAULT_ENSEMBLE), help="embedded names, Hugging Face ids or local folders")
     parser.add_argument("--tau-delta", type=float, default=defaults.tau_delta, help="confidence margin gate τΔ")
     parser.add_argument("--max-span-words", "-M", type=int, default=defaults.max_span_words, help="most words per round (M)")
     parser.add_argument("--num-branches", "-B", type=int, default=defaults.num_branches, help="branches when exploring (B)")
@@ -107,9 +109,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .benchmarks import BENCHMARKS, benchmark_root
-    from .engine import AdaFuse
-    from .evaluation import Evaluator, expand_methods
+    from .eval.benchmarks import BENCHMARKS
+    from .eval.harness import Evaluator
+    from .eval.methods import expand_methods
+    from .fusion.engine import AdaFuse
 
     benches = list(BENCHMARKS) if args.bench == "all" else [b.strip() for b in args.bench.split(",") if b.strip()]
     unknown = [b for b in benches if b not in BENCHMARKS]
@@ -117,7 +120,7 @@ def _eval(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown benchmark(s) {unknown}; known: {', '.join(BENCHMARKS)} or all")
     methods = expand_methods(args.methods, list(args.models))
     fuser = AdaFuse.from_pretrained(args.models, FusionConfig(seed=args.seed), device_map=args.device_map, dtype=args.dtype)
-    evaluator = Evaluator(fuser, benchmark_root(args.data), Path(args.out), max_new_tokens=args.max_new_tokens)
+    evaluator = Evaluator(fuser, _data_root(args), Path(args.out), max_new_tokens=args.max_new_tokens)
     if not args.report_only:
         evaluator.run(benches, methods, args.limit, batch_size=args.batch_size, first_row=args.first_row)
     print(evaluator.report(args.invocation))
@@ -141,25 +144,32 @@ def _train_adapter(args: argparse.Namespace) -> int:
 
 
 def _training_tasks(args: argparse.Namespace):
-    from .adaptive import arithmetic_tasks, benchmark_tasks
-    from .benchmarks import benchmark_root
+    from .training.tasks import arithmetic_tasks, benchmark_tasks
 
     if args.task == "arithmetic":
         return arithmetic_tasks(args.train_prompts, seed=args.seed)
     first = args.first_row
-    return benchmark_tasks(args.task, range(first, first + args.train_prompts), benchmark_root(args.data))
+    return benchmark_tasks(args.task, range(first, first + args.train_prompts), _data_root(args))
+
+
+def _data_root(args: argparse.Namespace) -> Path:
+    """--data, else $ADAFUSE_DATA, else ../shared/benchmarks."""
+    from .eval.benchmarks import benchmark_root
+
+    return benchmark_root(args.data or os.environ.get("ADAFUSE_DATA") or _FALLBACK_DATA)
 
 
 def _train_gate(args: argparse.Namespace, out: Path):
-    from .adaptive import task_stop
-    from .engine import AdaFuse
-    from .fusion_gate import FusionGate, train_fusion_gate
+    from .fusion.engine import AdaFuse
+    from .fusion.gate import FusionGate
+    from .training.gate import train_fusion_gate
+    from .training.tasks import task_stop
 
     fuser = AdaFuse.from_pretrained(args.models, device_map=args.device_map, dtype=args.dtype)
     tasks = _training_tasks(args)
     stop = task_stop(tasks)
     out.mkdir(parents=True, exist_ok=True)
-    gate = FusionGate([b.model.config.get_text_config().hidden_size for b in fuser.backends], fuser.model_names)
+    gate = FusionGate([b.hidden_size for b in fuser.backends], fuser.model_names)
     history = train_fusion_gate(fuser, gate, tasks, steps=args.steps, prompts_per_step=args.prompts_per_step,
                                 samples_per_prompt=args.samples, forward_cost=args.forward_cost,
                                 max_new_tokens=args.max_new_tokens, stop=stop, learning_rate=args.learning_rate,
@@ -168,16 +178,16 @@ def _train_gate(args: argparse.Namespace, out: Path):
 
 
 def _train_sampling_adapter(args: argparse.Namespace, out: Path):
-    from .adapters import SequenceAdapter, TokenAdapter, greedy_coverage
-    from .adaptive import (
-        CANDIDATE_CHOICES, prompt_embeddings, reward_table, train_sequence_adapter, train_token_adapter,
-    )
     from .backend import ModelBackend
+    from .sampling.adaptive import prompt_embeddings
+    from .sampling.policies import SequenceAdapter, TokenAdapter
+    from .training.adapters import CANDIDATE_CHOICES, reward_table, train_sequence_adapter, train_token_adapter
+    from .training.reinforce import greedy_coverage
 
     backend = ModelBackend.from_pretrained(args.model, device_map=args.device_map, dtype=args.dtype)
     tasks = _training_tasks(args)
     out.mkdir(parents=True, exist_ok=True)
-    hidden_size = backend.model.config.get_text_config().hidden_size
+    hidden_size = backend.hidden_size
     if args.kind == "token":
         adapter = TokenAdapter(hidden_size, base_model=args.model)
         history = train_token_adapter(backend, adapter, tasks, steps=args.steps, prompts_per_step=args.prompts_per_step,
@@ -224,11 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--limit", type=int, default=None, help="N rows of each benchmark (default: all)")
     evaluate.add_argument("--first-row", type=int, default=0, help="first development row to run (tune on one slice, report on another)")
     evaluate.add_argument("--out", default="reports/eval", help="folder for predictions.jsonl, report.md and plots")
-    evaluate.add_argument("--data", default=None, help="benchmark folder (default: ../shared/benchmarks)")
+    evaluate.add_argument("--data", default=None, help="benchmark folder (default: $ADAFUSE_DATA, else ../shared/benchmarks)")
     evaluate.add_argument("--batch-size", type=int, default=1, help="prompts in flight, continuous batching (1 gives exact per-example times)")
     evaluate.add_argument("--max-new-tokens", type=int, default=None, help="cap on each benchmark's generation budget")
     evaluate.add_argument("--report-only", action="store_true", help="rewrite the report from predictions.jsonl, run nothing")
-    evaluate.add_argument("--models", nargs="+", default=DEFAULT_PAIR)
+    evaluate.add_argument("--models", nargs="+", default=list(DEFAULT_ENSEMBLE))
     evaluate.add_argument("--seed", type=int, default=0)
     evaluate.add_argument("--device-map", default=None)
     evaluate.add_argument("--dtype", default=None)
@@ -237,11 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--kind", choices=["token", "sequence", "gate"], default="token",
                        help="token/sequence: single-model sampling adapters; gate: AdaFuse's commit/explore decision")
     train.add_argument("--model", default="smollm2-135m", help="token/sequence: the frozen model")
-    train.add_argument("--models", nargs="+", default=DEFAULT_PAIR, help="gate: the fused models")
+    train.add_argument("--models", nargs="+", default=list(DEFAULT_ENSEMBLE), help="gate: the fused models")
     train.add_argument("--actions", type=int, default=4, help="sequence adapter: configurations kept by greedy coverage")
     train.add_argument("--task", default="arithmetic", help="arithmetic (generated sums) or a QA/math benchmark, e.g. squad")
     train.add_argument("--first-row", type=int, default=400, help="benchmark tasks: first training row (rows before it stay held aside)")
-    train.add_argument("--data", default=None, help="benchmark folder (default: ../shared/benchmarks)")
+    train.add_argument("--data", default=None, help="benchmark folder (default: $ADAFUSE_DATA, else ../shared/benchmarks)")
     train.add_argument("--forward-cost", type=float, default=0.005, help="gate: reward lost per forward pass")
     train.add_argument("--batch-size", type=int, default=None, help="gate: rollouts decoded together (default: all of a step)")
     train.add_argument("--steps", type=int, default=60)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import types
 import typing
@@ -13,10 +14,29 @@ FusionUnit = Literal["word", "token"]
 Scoring = Literal["mean", "competence"]
 SpanNormalization = Literal["token", "char", "total"]
 
-__all__ = ["FusionConfig"]
+__all__ = ["DecodingMode", "FusionConfig", "SamplingFilter"]
 
 # Fields whose None is a setting (off), so an override of None replaces them instead of being ignored.
 _NULLABLE = ("fixed_span_words", "max_rounds", "model_weights", "fusion_gate", "token_adapter", "sequence_adapter")
+
+
+@dataclass(frozen=True)
+class SamplingFilter:
+    """How one next-token distribution is sampled: temperature (0 means greedy), then top-k, top-p and min-p
+    filters (0, 1.0 and 0.0 switch them off). AdaFuse's "sample" exploration and the adaptive sampler both use it."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+
+class DecodingMode(enum.Enum):
+    """Which decoding a configuration asks for; the engine dispatches on it once per call."""
+
+    WORD_FUSION = "word"  # AdaFuse: whole-word spans, gated by confidence (or fixed spans)
+    TOKEN_FUSION = "token"  # the token-level baseline (UniTE-style)
+    ADAPTIVE_SAMPLING = "adaptive"  # one model sampled with learned decoding adapters (arXiv 2603.09065)
 
 
 @dataclass
@@ -35,7 +55,7 @@ class FusionConfig:
         scoring: how the models' NLLs of a candidate combine. "mean" is the paper's weighted mean with
             `model_weights`; "competence" multiplies those weights, per prompt, by
             exp(-competence_sharpness * (the model's prompt NLL per character - the best model's)), so the
-            model that predicts the prompt best counts most (see `adafuse.scoring`).
+            model that predicts the prompt best counts most (see `adafuse.fusion.scoring`).
         competence_sharpness: how fast a model's weight falls with its prompt NLL per character (nats/char).
         span_normalization: each model's NLL of a candidate per token ("token", the paper), per character
             ("char") or in total ("total", the span's joint probability).
@@ -89,6 +109,11 @@ class FusionConfig:
         """Raise TypeError naming the first parameter of the wrong type, ValueError the first out of range;
         return self."""
         self._check_types()
+        self._check_ranges()
+        self._check_model_weights(num_models)
+        return self
+
+    def _check_ranges(self) -> None:
         checks = [
             ("tau_delta", 0.0 <= self.tau_delta <= 1.0, "a margin between 0 and 1"),
             ("max_span_words", self.max_span_words >= 1, "at least 1"),
@@ -117,12 +142,14 @@ class FusionConfig:
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"invalid {name}={getattr(self, name)!r}: expected {expected}")
-        if self.model_weights is not None:
-            if any(w < 0 for w in self.model_weights) or sum(self.model_weights) <= 0:
-                raise ValueError(f"invalid model_weights={self.model_weights!r}: expected non-negative, not all zero")
-            if num_models is not None and len(self.model_weights) != num_models:
-                raise ValueError(f"invalid model_weights={self.model_weights!r}: expected {num_models} weights, one per model")
-        return self
+
+    def _check_model_weights(self, num_models: int | None) -> None:
+        if self.model_weights is None:
+            return
+        if any(w < 0 for w in self.model_weights) or sum(self.model_weights) <= 0:
+            raise ValueError(f"invalid model_weights={self.model_weights!r}: expected non-negative, not all zero")
+        if num_models is not None and len(self.model_weights) != num_models:
+            raise ValueError(f"invalid model_weights={self.model_weights!r}: expected {num_models} weights, one per model")
 
     def _check_types(self) -> None:
         """Every field against its annotation; a NaN or infinity, which would turn every score into NaN, is a
@@ -140,6 +167,17 @@ class FusionConfig:
     def samples_adaptively(self) -> bool:
         """Whether a learned decoding adapter replaces fusion with adaptive single-model sampling."""
         return self.token_adapter is not None or self.sequence_adapter is not None
+
+    def decoding_mode(self) -> DecodingMode:
+        """The decoding these settings select (as transformers' `GenerationConfig.get_generation_mode`)."""
+        if self.samples_adaptively:
+            return DecodingMode.ADAPTIVE_SAMPLING
+        return DecodingMode.TOKEN_FUSION if self.unit == "token" else DecodingMode.WORD_FUSION
+
+    @property
+    def sampling_filter(self) -> SamplingFilter:
+        """The filter "sample" exploration draws first tokens with."""
+        return SamplingFilter(self.temperature, self.top_k, self.top_p, self.min_p)
 
     def update(self, **overrides: Any) -> "FusionConfig":
         """A copy with the given fields replaced; unknown names raise ValueError."""

@@ -81,17 +81,17 @@ def metaspace_tokenizer():
 
 @pytest.fixture(scope="session")
 def llama_backend(byte_level_tokenizer) -> ModelBackend:
-    return ModelBackend(_llama(byte_level_tokenizer, seed=0), byte_level_tokenizer, name="tiny-llama")
+    return ModelBackend(_llama(byte_level_tokenizer, seed=0), byte_level_tokenizer, name="tiny-llama", cpu_kernels=True)
 
 
 @pytest.fixture(scope="session")
 def gemma_backend(metaspace_tokenizer) -> ModelBackend:
-    return ModelBackend(_gemma(metaspace_tokenizer, seed=1), metaspace_tokenizer, name="tiny-gemma")
+    return ModelBackend(_gemma(metaspace_tokenizer, seed=1), metaspace_tokenizer, name="tiny-gemma", cpu_kernels=True)
 
 
 @pytest.fixture(scope="session")
 def third_backend(byte_level_tokenizer) -> ModelBackend:
-    return ModelBackend(_sharpen(_llama(byte_level_tokenizer, seed=2), 40.0), byte_level_tokenizer, name="tiny-llama-sharp")
+    return ModelBackend(_sharpen(_llama(byte_level_tokenizer, seed=2), 40.0), byte_level_tokenizer, name="tiny-llama-sharp", cpu_kernels=True)
 
 
 @pytest.fixture()

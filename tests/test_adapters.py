@@ -2,15 +2,9 @@
 import pytest
 import torch
 
-from adafuse.adapters import (
-    SamplingChoice,
-    SequenceAdapter,
-    TokenAdapter,
-    confident_step_mask,
-    greedy_coverage,
-    informative_prompts,
-    reinforce_loss,
-)
+from adafuse import SamplingFilter
+from adafuse.sampling.policies import SequenceAdapter, TokenAdapter
+from adafuse.training.reinforce import confident_step_mask, greedy_coverage, informative_prompts, reinforce_loss
 
 
 def test_greedy_coverage_on_a_hand_made_reward_matrix():
@@ -54,7 +48,7 @@ def test_prompts_with_constant_rewards_are_filtered():
 
 
 def test_save_load_round_trip(tmp_path):
-    choices = [SamplingChoice(), SamplingChoice(temperature=0.7, top_p=0.9)]
+    choices = [SamplingFilter(), SamplingFilter(temperature=0.7, top_p=0.9)]
     sequence = SequenceAdapter(8, choices, hidden=16, base_model="smollm2-135m")
     token = TokenAdapter(12, projection=4, hidden=8, base_model="smollm2-135m")
     embedding, budgets = torch.randn(2, 8), torch.tensor([1, 8])
@@ -78,7 +72,7 @@ def test_token_step_features_are_bounded():
 
 
 def test_token_adapter_runs_inside_generation(llama_backend):
-    from adafuse.adaptive import AdaptiveSampler
+    from adafuse.sampling.adaptive import AdaptiveSampler
 
     adapter = TokenAdapter(llama_backend.model.config.hidden_size, projection=8, hidden=16)
     prompts = ["Question: who wrote Hamlet?\nAnswer:", "The quick brown fox"]
@@ -91,7 +85,7 @@ def test_token_adapter_runs_inside_generation(llama_backend):
 
 def test_greedy_sampler_matches_greedy_fusion_of_one_model(llama_backend):
     from adafuse import AdaFuse, FusionConfig
-    from adafuse.adaptive import AdaptiveSampler
+    from adafuse.sampling.adaptive import AdaptiveSampler
 
     prompt = "Question: who wrote Hamlet?\nAnswer:"
     sampled = AdaptiveSampler(llama_backend).sample([prompt], max_new_tokens=6)[0]
@@ -100,7 +94,8 @@ def test_greedy_sampler_matches_greedy_fusion_of_one_model(llama_backend):
 
 
 def test_training_a_few_steps_runs_and_resumes(llama_backend, tmp_path):
-    from adafuse.adaptive import Task, train_token_adapter
+    from adafuse.training.adapters import train_token_adapter
+    from adafuse.training.tasks import Task
 
     adapter = TokenAdapter(llama_backend.model.config.hidden_size, projection=8, hidden=16)
     tasks = [Task("Question: who wrote Hamlet?\nAnswer:", lambda text: len(text) % 2 == 0),
@@ -118,20 +113,20 @@ def test_training_a_few_steps_runs_and_resumes(llama_backend, tmp_path):
 
 
 def test_sequence_adapter_learns_the_configuration_that_pays():
-    from adafuse.adaptive import train_sequence_adapter
+    from adafuse.training.adapters import train_sequence_adapter
 
     torch.manual_seed(0)
     embeddings = torch.randn(6, 8)
     table = torch.tensor([[0.0, 1.0, 0.0]] * 6)  # configuration 1 always wins
     table[0] = torch.tensor([1.0, 1.0, 1.0])  # a constant row, filtered out
-    adapter = SequenceAdapter(8, [SamplingChoice(), SamplingChoice(0.7), SamplingChoice(1.0)], hidden=16)
+    adapter = SequenceAdapter(8, [SamplingFilter(), SamplingFilter(0.7), SamplingFilter(1.0)], hidden=16)
     history = train_sequence_adapter(adapter, embeddings, {1: table, 4: table}, steps=60)
     assert history[-1]["reward"] >= history[0]["reward"]
-    assert all(adapter.choose(e, 4) == SamplingChoice(0.7) for e in embeddings)
+    assert all(adapter.choose(e, 4) == SamplingFilter(0.7) for e in embeddings)
 
 
 def test_majority_vote_and_prompt_embeddings(llama_backend):
-    from adafuse.adaptive import majority_answer, prompt_embeddings
+    from adafuse.sampling.adaptive import majority_answer, prompt_embeddings
 
     assert majority_answer([" 7", " 8\nQuestion", " 8", " 7 "]) == "7"
     embeddings = prompt_embeddings(llama_backend, ["one prompt", "another, longer prompt"])
@@ -139,10 +134,10 @@ def test_majority_vote_and_prompt_embeddings(llama_backend):
 
 
 def test_parallel_samples_share_the_prefill_and_match_repeated_prompts(llama_backend):
-    from adafuse.adaptive import AdaptiveSampler
+    from adafuse.sampling.adaptive import AdaptiveSampler
 
     prompts = ["Question: who wrote Hamlet?\nAnswer:", "The quick brown fox"]
-    sampler, hot = AdaptiveSampler(llama_backend), SamplingChoice(temperature=1.0)
+    sampler, hot = AdaptiveSampler(llama_backend), SamplingFilter(temperature=1.0)
     llama_backend.reset_counters()
     shared = sampler.sample(prompts, choice=hot, max_new_tokens=6, generator=torch.Generator().manual_seed(3), samples_per_prompt=3)
     shared_tokens = llama_backend.reset_counters()["tokens"]
@@ -168,7 +163,7 @@ def _adapter_pair(pair, tmp_path, temperature_logits):
 
 
 def test_adapters_are_decoding_options_of_the_engine(pair, tmp_path):
-    from adafuse.adaptive import AdaptiveSampler
+    from adafuse.sampling.adaptive import AdaptiveSampler
 
     prompt = "Question: who wrote Hamlet?\nAnswer:"
     greedy_token = _adapter_pair(pair, tmp_path, [10.0, -10.0, -10.0, -10.0])
@@ -177,7 +172,7 @@ def test_adapters_are_decoding_options_of_the_engine(pair, tmp_path):
     assert result.text == alone.text and result.stats.new_tokens == alone.new_tokens
     assert set(result.stats.forward_passes) == {pair.backends[0].name}
 
-    hot = SamplingChoice(temperature=1.0)
+    hot = SamplingFilter(temperature=1.0)
     sequence = SequenceAdapter(pair.backends[0].model.config.hidden_size, [hot], hidden=8, base_model=pair.backends[0].name)
     folder = str(sequence.save(tmp_path / "sequence"))
     voted = pair.generate([prompt, "The quick brown fox"], sequence_adapter=folder, num_samples=5, max_new_tokens=4, seed=1)

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from adafuse import AdaFuse, FusionConfig
-from adafuse.proposals import propose_row
+from adafuse.fusion.proposals import propose_row
+from adafuse.runtime.scheduler import Scheduler
 from conftest import full_logprobs
 
 PROMPT = "Question: what is the capital of France?\nAnswer:"
@@ -159,13 +160,13 @@ def test_prompts_joining_a_running_batch_decode_as_alone(pair):
 
 def test_the_last_waiting_prompts_join_as_soon_as_they_fit(pair, monkeypatch):
     running_at_join = []
-    join = AdaFuse._join
+    join = Scheduler.join
 
-    def spy(self, batches, encoded, **options):
-        running_at_join.append(len(batches[0].rows) if batches else 0)
-        join(self, batches, encoded, **options)
+    def spy(self, new):
+        running_at_join.append(len(self.batches[0].rows) if self.batches else 0)
+        join(self, new)
 
-    monkeypatch.setattr(AdaFuse, "_join", spy)
+    monkeypatch.setattr(Scheduler, "join", spy)
     prompts = ["The quick brown fox", "Paris is", "In 1969 the first humans", "Once upon a time", PROMPT]
     together = pair.generate(prompts, max_new_tokens=8, max_batch_size=4)
     assert running_at_join == [0, 3]  # one free slot of four is enough for the one prompt left waiting

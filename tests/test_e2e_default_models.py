@@ -54,8 +54,8 @@ def test_cli_generate_prints_answer_and_stats(capsys):
 
 def test_shipped_adapters_load_and_decode_on_their_base_model():
     from adafuse import ModelBackend
-    from adafuse.adapters import SHIPPED, SequenceAdapter, TokenAdapter
-    from adafuse.adaptive import AdaptiveSampler, prompt_embeddings
+    from adafuse.sampling.policies import SHIPPED, SequenceAdapter, TokenAdapter
+    from adafuse.sampling.adaptive import AdaptiveSampler, prompt_embeddings
 
     token = TokenAdapter.load(SHIPPED / "smollm2-135m-token-arithmetic")
     sequence = SequenceAdapter.load(SHIPPED / "smollm2-135m-sequence-arithmetic")

@@ -1,11 +1,15 @@
 """The evaluation harness on the tiny pair over three rows of each benchmark."""
 import json
+from pathlib import Path
 
 import pytest
 
-from adafuse.benchmarks import BENCHMARKS, benchmark_root, corpus_translation_scores, final_number
-from adafuse.comparison import compare_with_members
-from adafuse.evaluation import Evaluator, _method_overrides, ensemble_of, expand_methods
+from adafuse.eval.benchmarks import BENCHMARKS, benchmark_root, corpus_translation_scores, final_number
+from adafuse.eval.comparison import compare_with_members
+from adafuse.eval.harness import Evaluator
+from adafuse.eval.methods import engine_overrides, ensemble_of, expand_methods
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "benchmarks"
 
 
 def test_final_number_reads_boxed_then_answer_is_then_last_number():
@@ -41,7 +45,7 @@ def tiny_data(tmp_path):
         folder = root / name
         folder.mkdir(parents=True)
         (folder / "prompt.txt").write_text("Answer briefly.")
-        rows = (benchmark_root() / name / "dev.jsonl").read_text().splitlines()[:4]
+        rows = (benchmark_root(DATA) / name / "dev.jsonl").read_text().splitlines()[:4]
         shortened = [json.dumps({**json.loads(r), "question": json.loads(r)["question"][-120:]}) for r in rows]
         (folder / "dev.jsonl").write_text("\n".join(shortened) + "\n")
     return root
@@ -79,7 +83,7 @@ def test_ensemble_suffix_and_joined_options_parse():
     names = ["a", "b", "c"]
     assert ensemble_of("adafuse:scoring=mean;norm=token@a+c", names) == ["a", "c"]
     assert ensemble_of("rerank", names) == names and ensemble_of("single:b", names) == ["b"]
-    assert _method_overrides("adafuse:scoring=mean;norm=token;sharpness=3@a+b", names) == {
+    assert engine_overrides("adafuse:scoring=mean;norm=token;sharpness=3@a+b", names) == {
         "scoring": "mean", "span_normalization": "token", "competence_sharpness": 3.0}
     for bad in ["adafuse@a+d", "adafuse@a", "adafuse:sharpness=x", "adafuse:scoring=mean;bogus=1"]:
         with pytest.raises(ValueError):

@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from adafuse import AdaFuse, FusionConfig
-from adafuse.adaptive import Task
-from adafuse.fusion_gate import COMMIT, FusionGate, GateSession, train_fusion_gate
+from adafuse.training.tasks import Task
+from adafuse.fusion.gate import COMMIT, FusionGate, GateSession
+from adafuse.training.gate import train_fusion_gate
 
 PROMPTS = ["Question: who wrote the play Hamlet?\nAnswer:", "The quick brown fox"]
 
@@ -79,7 +80,7 @@ def test_training_the_gate_runs_and_resumes(pair, tmp_path):
 
 
 def test_warm_start_imitates_the_threshold_rule(pair):
-    from adafuse.fusion_gate import imitate_threshold
+    from adafuse.training.gate import imitate_threshold
 
     gate = _gate(pair)
     agreement = imitate_threshold(pair, gate, PROMPTS, 0.5, max_new_tokens=12, steps=200)

@@ -132,7 +132,7 @@ def test_llama_index_bad_input_errors(li_llm, pair):
 
 
 def test_learned_fusion_gate_is_a_decoding_option_in_both_frameworks(pair, tmp_path):
-    from adafuse.fusion_gate import FusionGate
+    from adafuse.fusion.gate import FusionGate
 
     gate = FusionGate([b.model.config.get_text_config().hidden_size for b in pair.backends], pair.model_names)
     with torch.no_grad():  # a gate that always commits decodes like tau_delta=0
@@ -151,10 +151,10 @@ def test_learned_fusion_gate_is_a_decoding_option_in_both_frameworks(pair, tmp_p
 
 def test_decoding_adapters_are_options_in_both_frameworks(pair, tmp_path):
     from adafuse import SequenceAdapter
-    from adafuse.adapters import SamplingChoice
+    from adafuse import SamplingFilter
 
     backend = pair.backends[0]
-    sequence = SequenceAdapter(backend.model.config.hidden_size, [SamplingChoice()], hidden=8, base_model=backend.name)
+    sequence = SequenceAdapter(backend.model.config.hidden_size, [SamplingFilter()], hidden=8, base_model=backend.name)
     folder = str(sequence.save(tmp_path / "sequence"))
     expected = pair.generate(PROMPT, sequence_adapter=folder, num_samples=2, max_new_tokens=8).text
     lc = LangChainLLM(engine=pair, max_new_tokens=8, sequence_adapter=folder, num_samples=2)

@@ -1,5 +1,5 @@
 """Answer matching against hand-written cases."""
-from adafuse.metrics import exact_match, first_line_answer, lenient_match, normalize_answer
+from adafuse.eval.metrics import exact_match, first_line_answer, lenient_match, normalize_answer
 
 
 def test_normalize_removes_case_punctuation_articles_and_maps_number_words():

@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from adafuse import AdaFuse, FusionConfig
-from adafuse.adapters import TokenAdapter, load_checkpoint, save_checkpoint
+from adafuse.sampling.policies import TokenAdapter
+from adafuse.training.reinforce import load_checkpoint, save_checkpoint
 from adafuse.files import append_jsonl, read_jsonl, write_text_atomically
-from adafuse.kv_tree import TreeBatch
+from adafuse.fusion.stopping import truncate
+from adafuse.runtime import ModelRunner
 
 PROMPT = "Question: who wrote the play Hamlet?\nAnswer:"
 
@@ -125,7 +127,7 @@ def test_cutting_at_the_token_budget_never_splits_a_character(pair):
     text = "Answer: é😀 and more"
     ids = pair.backends[0].encode_piece(text)
     for budget in range(1, len(ids)):
-        cut = pair._truncate(text, budget)
+        cut = truncate(pair.backends[0], text, budget)
         assert "\ufffd" not in cut and text.startswith(cut)
 
 
@@ -138,13 +140,13 @@ def test_decoding_stays_inside_every_context_window(llama_backend, gemma_backend
         prompt += sentence
     budget = llama_backend.context_window - len(llama_backend.encode_prompt(prompt))
     deepest = {}
-    run = TreeBatch._run
+    run = ModelRunner.run
 
-    def recording(self, input_ids, mask, positions, *args, **kwargs):
+    def recording(self, cache, input_ids, mask, positions, *args, **kwargs):
         deepest[id(self.model)] = max(deepest.get(id(self.model), 0), int(positions.max()))
-        return run(self, input_ids, mask, positions, *args, **kwargs)
+        return run(self, cache, input_ids, mask, positions, *args, **kwargs)
 
-    monkeypatch.setattr(TreeBatch, "_run", recording)
+    monkeypatch.setattr(ModelRunner, "run", recording)
     result = fuser.generate(prompt, max_new_tokens=budget)
     assert result.finish_reason in ("length", "eos")
     for backend in fuser.backends:

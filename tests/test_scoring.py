@@ -6,7 +6,7 @@ import torch
 
 from adafuse import AdaFuse, FusionConfig
 from adafuse.backend import ModelBackend
-from adafuse.scoring import competence_weights, demonstration_spans, nats_per_char, scored_tokens
+from adafuse.fusion.scoring import competence_weights, demonstration_spans, nats_per_char, scored_tokens
 from conftest import _llama
 
 FEW_SHOT = "Question: one\nAnswer:{}\n\nQuestion: two\nAnswer:"

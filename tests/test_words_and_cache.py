@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 
-from adafuse.kv_tree import CachedPrompt, OutputHead, PromptPrefixCache, TreeBatch
-from adafuse.cpu_kernels import CPU_ATTENTION, PackedLinear, _right_aligned_queries, pack_linear_layers, prepare_for_cpu, real_tokens
+from adafuse.runtime import CachedPrompt, ModelRunner, OutputHead, PromptPrefixCache, prefill
+from adafuse.kernels.cpu import CPU_ATTENTION, PackedLinear, _right_aligned_queries, pack_linear_layers, prepare_for_cpu, real_tokens
 from adafuse.words import word_start_table
 from conftest import full_logprobs
 
@@ -207,11 +207,11 @@ def test_tree_without_split_head_matches_full_reencoding(gemma_backend):
     prompts = [gemma_backend.encode_prompt(PROMPT), gemma_backend.encode_prompt("The quick brown fox")]
     span = gemma_backend.encode_piece(" jumps over")
     split = gemma_backend.start(prompts, keep_hidden=True)
-    whole = TreeBatch(gemma_backend.model, prompts, gemma_backend.pad_token_id, {"forward_passes": 0, "tokens": 0},
-                      keep_hidden=True)
+    whole = prefill(ModelRunner(gemma_backend.model, {"forward_passes": 0, "tokens": 0}), prompts,
+                    gemma_backend.pad_token_id, keep_hidden=True)
     for batch in (split, whole):
         batch.ensure_paths([[span], [span[:1]]])
-    assert split.head is not None and whole.head is None
+    assert split.runner.head is not None and whole.runner.head is None
     for r, prompt in enumerate(prompts):
         assert torch.allclose(whole.root_logprobs[r], full_logprobs(gemma_backend, prompt), atol=1e-4)
         assert torch.allclose(whole.root_hidden[r], split.root_hidden[r], atol=1e-5)
@@ -238,7 +238,7 @@ def test_packed_linear_layers_give_the_same_logits(byte_level_tokenizer):
 
 
 def test_packed_linear_computes_only_real_tokens_when_asked():
-    from adafuse.cpu_kernels import real_tokens
+    from adafuse.kernels.cpu import real_tokens
 
     linear = torch.nn.Linear(16, 24)
     packed = PackedLinear(linear)
@@ -271,7 +271,7 @@ def test_cpu_kernels_give_the_same_logits_with_tree_masks(metaspace_tokenizer):
 
 _FAULTS_OF_REPEATED_STEPS = """
 import resource, torch
-from adafuse.cpu_kernels import keep_freed_memory
+from adafuse.kernels.cpu import keep_freed_memory
 kept = keep_freed_memory()
 def step():  # 24 MB blocks, the size of a batched step's log-distributions over Gemma's vocabulary
     return [torch.ones(6_000_000) for _ in range(3)]

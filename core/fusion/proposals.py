@@ -6,10 +6,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .backend import ModelBackend
-from .config import FusionConfig
-from .fusion_gate import GateDecision, GateSession
-from .sampling import first_tokens
+from ..backend import ModelBackend
+from ..config import FusionConfig
+from ..sampling.filters import filtered_probs
+from .gate import GateDecision, GateSession
+
+__all__ = ["Proposal", "RowProposals", "first_tokens", "propose_row"]
 
 
 @dataclass
@@ -107,6 +109,16 @@ def propose_row(
         explored=branches[0].explored,
         decisions=decisions,
     )
+
+
+def first_tokens(logprobs: torch.Tensor, config: FusionConfig, generator: torch.Generator | None) -> list[int]:
+    """The distinct first tokens an exploring model branches on: the B most likely, or B distinct draws from the
+    filtered distribution."""
+    if config.exploration == "topk":
+        return logprobs.topk(config.num_branches).indices.tolist()
+    probs = filtered_probs(logprobs, config.sampling_filter)
+    count = min(config.num_branches, int((probs > 0).sum()))
+    return torch.multinomial(probs, count, replacement=False, generator=generator).tolist()
 
 
 def _confident(gate: GateSession | None, model_index: int, config: FusionConfig, token_budget: int,

@@ -1,125 +1,30 @@
-"""A learned fusion gate: AdaFuse's commit-or-explore decision made by a small policy instead of τΔ.
-
-At the first token of each word, for each model, the gate reads that model's state (its final hidden state,
-projected, and the entropy, top-2 margin and top-1 probability of its next-token distribution, the remaining
-token budget and the words already in the span) and picks "commit" (keep going greedily; at a round's first
-word, no exploration) or "explore" (at a round's first word, branch on the top-B first tokens; later, end the
-span). It is trained with REINFORCE on task correctness minus a cost per forward pass, so it learns where
-exploring and short spans pay for the compute they take (AdaFuse's τΔ needs per-task tuning instead).
-"""
+"""REINFORCE training of the fusion gate on the fused decoder: reward = correct - cost x forward passes."""
 from __future__ import annotations
 
-import math
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
-from .adapters import (
-    _Adapter, _mlp, confident_step_mask, informative_prompts, load_checkpoint, policy_step, reinforce_loss,
-    save_checkpoint,
+from ..fusion.gate import COMMIT, FusionGate, GateDecision, GateSession
+from .reinforce import (
+    confident_step_mask, informative_prompts, load_checkpoint, policy_step, reinforce_loss, save_checkpoint,
+    taken_action_logprobs,
 )
+from .tasks import Task
 
 if TYPE_CHECKING:
-    from .adaptive import Task
-    from .engine import AdaFuse
+    from ..fusion.engine import AdaFuse
 
-__all__ = ["FusionGate", "GateDecision", "GateSession", "imitate_threshold", "train_fusion_gate"]
-
-COMMIT, EXPLORE = 1, 0
+__all__ = ["imitate_threshold", "train_fusion_gate"]
 
 
-class FusionGate(_Adapter):
-    """Per model and word start: logits over (explore, commit) from the model's hidden state and step features."""
-
-    kind = "fusion_gate"
-    num_features = 5
-
-    def __init__(self, hidden_sizes: list[int], model_names: list[str] | None = None, projection: int = 16,
-                 hidden: int = 64, base_model: str = ""):
-        super().__init__()
-        self.hidden_sizes, self.projection_size, self.hidden = list(hidden_sizes), projection, hidden
-        self.model_names = list(model_names or [])
-        self.base_model = base_model or ",".join(self.model_names)
-        self.project = nn.ModuleList(nn.Linear(size, projection) for size in self.hidden_sizes)
-        self.policy = _mlp(projection + len(self.hidden_sizes) + self.num_features, hidden, 2)
-
-    @staticmethod
-    def step_features(logprobs: torch.Tensor, remaining: torch.Tensor, words: torch.Tensor, max_words: int) -> torch.Tensor:
-        """[n, 5]: entropy / log V, top-2 margin, top-1 probability, remaining budget (0..1), words in span / M."""
-        probs = logprobs.exp()
-        entropy = -(probs * logprobs).sum(-1) / math.log(logprobs.shape[-1])
-        top = probs.topk(2, dim=-1).values
-        return torch.stack(
-            [entropy, top[:, 0] - top[:, 1], top[:, 0], remaining.float(), words.float() / max_words], dim=-1
-        )
-
-    def forward(self, model_index: int, hidden_states: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        which = torch.zeros((len(features), len(self.hidden_sizes)), device=features.device)
-        which[:, model_index] = 1.0
-        projected = torch.tanh(self.project[model_index](hidden_states.float()))
-        return self.policy(torch.cat([projected, which, features.float()], dim=-1))
-
-    def config(self) -> dict[str, Any]:
-        return {"hidden_sizes": self.hidden_sizes, "model_names": self.model_names, "projection": self.projection_size,
-                "hidden": self.hidden, "base_model": self.base_model}
-
-
-@dataclass
-class GateDecision:
-    """What the gate saw and chose once (kept for training)."""
-
-    model_index: int
-    hidden: torch.Tensor
-    features: torch.Tensor
-    action: int
-
-
-@dataclass
-class GateSession:
-    """A gate in use for one decoding call: argmax decisions, or sampled ones recorded per prompt for training."""
-
-    gate: FusionGate
-    sample: bool = False
-    generator: torch.Generator | None = None
-    decisions: dict[int, list[GateDecision]] = field(default_factory=dict)
-
-    @torch.inference_mode()
-    def decide(self, model_index: int, hidden: torch.Tensor, logprobs: torch.Tensor, remaining: torch.Tensor,
-               words: torch.Tensor, max_words: int) -> tuple[list[bool], list[GateDecision]]:
-        """Commit (True) or explore for each of n states, and, when sampling for training, the decisions made
-        (copied off the hot path otherwise)."""
-        features = FusionGate.step_features(logprobs, remaining, words, max_words)
-        policy = torch.softmax(self.gate(model_index, hidden, features), dim=-1)
-        actions = torch.multinomial(policy, 1, generator=self.generator).flatten() if self.sample else policy.argmax(-1)
-        actions = actions.tolist()
-        if not self.sample:
-            return [a == COMMIT for a in actions], []
-        decisions = [GateDecision(model_index, h.float().cpu(), f.cpu(), a) for h, f, a in zip(hidden, features, actions)]
-        return [a == COMMIT for a in actions], decisions
-
-
-def train_fusion_gate(
-    fuser: "AdaFuse",
-    gate: FusionGate,
-    tasks: list["Task"],
-    *,
-    steps: int = 40,
-    prompts_per_step: int = 4,
-    samples_per_prompt: int = 4,
-    forward_cost: float = 0.005,
-    max_new_tokens: int = 32,
-    stop: tuple[str, ...] = ("\n",),
-    learning_rate: float = 3e-3,
-    warm_start_tau: float | None = 0.7,
-    batch_size: int | None = None,
-    checkpoint: Path | None = None,
-    seed: int = 0,
-) -> list[dict[str, float]]:
+def train_fusion_gate(fuser: "AdaFuse", gate: FusionGate, tasks: list[Task], *, steps: int = 40, prompts_per_step: int = 4,
+                      samples_per_prompt: int = 4, forward_cost: float = 0.005, max_new_tokens: int = 32,
+                      stop: tuple[str, ...] = ("\n",), learning_rate: float = 3e-3, warm_start_tau: float | None = 0.7,
+                      batch_size: int | None = None, checkpoint: Path | None = None, seed: int = 0) -> list[dict[str, float]]:
     """REINFORCE on the fused decoder: reward = correct - forward_cost x forward passes the prompt took (all
     models). Per-prompt mean baseline; prompts whose samples all earn the same reward are skipped, and
     decisions where the model's top token has probability above 0.95 are masked. A checkpoint (gate, optimizer,
@@ -203,7 +108,7 @@ def _decision_loss(gate: FusionGate, decisions: list[GateDecision], reward: torc
         hidden = torch.stack([d.hidden for d in mine]).clone()
         features = torch.stack([d.features for d in mine]).clone()
         logits = gate(model_index, hidden, features)
-        logprobs.append(torch.log_softmax(logits, -1)[torch.arange(len(mine)), torch.tensor([d.action for d in mine])])
+        logprobs.append(taken_action_logprobs(logits, [d.action for d in mine]))
         top1.append(features[:, 2])
     rewards = torch.full((len(decisions),), float(reward))
     return reinforce_loss(torch.cat(logprobs), rewards, confident_step_mask(torch.cat(top1)), baseline=baseline)

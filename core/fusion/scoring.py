@@ -1,4 +1,4 @@
-"""How much each model's NLL counts in the fused score of one prompt's candidates.
+"""Scoring candidates: each model's NLL of a span, and how much each model's NLL counts in the fused score.
 
 "mean" is the paper's rule: fixed weights (`model_weights`, equal by default). "competence" scales them, per
 prompt, by how well each model predicts the prompt's own demonstrations: the spans that follow earlier
@@ -14,7 +14,13 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["competence_weights", "demonstration_spans", "nats_per_char", "scored_tokens"]
+from ..backend import ModelBackend
+from ..prompts import Prompt
+from ..runtime import TreeBatch
+from .state import CompetenceMarks
+
+__all__ = ["competence_marks", "competence_weights", "demonstration_spans", "nats_per_char", "row_weights", "scored_tokens",
+           "span_nll", "total_nll"]
 
 
 def demonstration_spans(text: str) -> list[tuple[int, int]]:
@@ -58,3 +64,45 @@ def competence_weights(prior: torch.Tensor, nats: Sequence[float], sharpness: fl
         return prior
     weights = prior * torch.exp(-sharpness * (values - values.min()))
     return weights / weights.sum()
+
+
+def span_nll(backend: ModelBackend, batch: TreeBatch, row: int, tokens: list[int], text: str, ends: bool,
+             normalization: str) -> float:
+    """A candidate's NLL under one model, per token (the paper), per character (the same unit for every tokenizer)
+    or in total (the joint probability of the span); the end token counts as one of each."""
+    total = total_nll(backend, batch, row, tokens, ends)
+    per = {"token": len(tokens), "char": len(text), "total": 0}[normalization] + ends
+    return total / max(per, 1)
+
+
+def total_nll(backend: ModelBackend, batch: TreeBatch, row: int, tokens: list[int], ends: bool) -> float:
+    """NLL of a span (plus the end token when it ends) under this model, given the row's prefix; the span's tokens
+    must be in the row's scratch tree."""
+    nodes = batch.path_nodes(row, tokens)
+    parents = [-1] + nodes[:-1]
+    total = sum(float(batch.logprobs(row, p)[t]) for p, t in zip(parents, tokens))
+    if ends:
+        total += float(backend.end_logprob(batch.logprobs(row, nodes[-1] if nodes else -1)))
+    return -total
+
+
+def competence_marks(backends: Sequence[ModelBackend], prompt: Prompt) -> CompetenceMarks:
+    """Per model, which of the prompt's tokens measure competence (so the prefill scores only those) and their
+    character offsets."""
+    marks = []
+    for backend in backends:
+        text = backend.render(prompt)
+        offsets = backend.prompt_offsets(text)
+        marks.append((scored_tokens(text, offsets), offsets))
+    return marks
+
+
+def row_weights(prior: torch.Tensor, batches: Sequence[TreeBatch], position: int,
+                marks: CompetenceMarks | None, sharpness: float) -> torch.Tensor:
+    """The weights of one prompt's fused scores: the prior, scaled by each model's competence on the prompt (the
+    prior itself when competence is not scored)."""
+    if marks is None:
+        return prior
+    nats = [nats_per_char(batch.rows[position].prompt_nll or [], scored, offsets)
+            for batch, (scored, offsets) in zip(batches, marks)]
+    return competence_weights(prior, nats, sharpness)

@@ -1,7 +1,7 @@
 """Faster CPU kernels for a frozen model: oneDNN-packed linear layers and grouped-query attention without copies.
 
-PyTorch's default CPU matmul (MKL sgemm) is slow for the few-row products decoding runs: on the machines
-this project runs on, a 4-row product costs three times a 1-row one, and the 262k-row Gemma output head takes
+PyTorch's default CPU matmul (MKL sgemm) is slow for the few-row products decoding runs: on a 2-core CPU, a
+4-row product costs three times a 1-row one, and the 262k-row Gemma output head takes
 43 ms per token. oneDNN with the weight reordered once into its blocked layout is 2-4x faster at every row
 count (`benchmarks/bench_decoding.py` reports the end-to-end effect). This is the weight prepacking that
 `torch.compile` applies on CPU, without compiling.
@@ -13,7 +13,7 @@ grouped matmuls beat SDPA's kernels again by 1.3-2x.
 
 A batched step's log-distributions are large (22 positions x Gemma's 262k vocabulary is 23 MB, twice: logits and
 log-softmax). glibc serves such blocks with fresh `mmap`s or hands them back to the system when freed, so every
-step faults its output in again, page by page: up to half of a batched Gemma step on the machines here. PyTorch's
+step faults its output in again, page by page: up to half of a batched Gemma step on a 2-core CPU. PyTorch's
 CPU tuning guide answers this with an allocator that keeps freed memory (jemalloc, tcmalloc); `keep_freed_memory`
 gets the same from glibc's own malloc.
 """
@@ -33,6 +33,8 @@ from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ..runtime.model_runner import ForwardTuning
 
 logger = logging.getLogger(__name__)
 
@@ -233,14 +235,13 @@ def _few_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     return (probabilities @ value).view(batch, heads, tokens, dim).transpose(1, 2).contiguous()
 
 
-AttentionInterface.register(CPU_ATTENTION, _grouped_query_sdpa)
-AttentionMaskInterface.register(CPU_ATTENTION, sdpa_mask)
-
-
 def use_grouped_query_attention(model: PreTrainedModel) -> bool:
-    """Switch a CPU model running transformers' SDPA attention to the copy-free grouped-query version."""
+    """Switch a CPU model running transformers' SDPA attention to the copy-free grouped-query version (registered
+    with transformers at the first call)."""
     if model.device.type != "cpu" or getattr(model.config, "_attn_implementation", None) != "sdpa":
         return False
+    AttentionInterface.register(CPU_ATTENTION, _grouped_query_sdpa)
+    AttentionMaskInterface.register(CPU_ATTENTION, sdpa_mask)
     model.set_attn_implementation(CPU_ATTENTION)
     return True
 
@@ -257,8 +258,11 @@ def keep_freed_memory() -> bool:
     return _freed_memory_kept
 
 
-def prepare_for_cpu(model: PreTrainedModel) -> None:
-    """Apply this module's kernels to a model that stays frozen (no-ops off CPU)."""
+def prepare_for_cpu(model: PreTrainedModel) -> ForwardTuning:
+    """Apply this module's kernels to a model that stays frozen, and return what its forwards must then do (nothing
+    off CPU, where no kernel applies)."""
     packed = pack_linear_layers(model)
-    if use_grouped_query_attention(model) or packed:
-        keep_freed_memory()
+    if not (use_grouped_query_attention(model) or packed):
+        return ForwardTuning()
+    keep_freed_memory()
+    return ForwardTuning(MIN_GEMM_ROWS, real_tokens)

@@ -1,4 +1,4 @@
-"""The paper's six benchmarks: prompts exactly as in shared/benchmarks/README.md, answer extraction, metrics."""
+"""The paper's six benchmarks: prompts exactly as in the data folder's README, answer extraction, metrics."""
 from __future__ import annotations
 
 import itertools
@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from .metrics import exact_match, first_line_answer, lenient_match
+from ..answers import first_line_answer
+from .metrics import exact_match, lenient_match
 
 Kind = Literal["qa", "math", "translation"]
 
@@ -93,9 +94,10 @@ def corpus_translation_scores(predictions: list[str], references: list[str]) -> 
 
 
 def benchmark_root(explicit: str | os.PathLike | None = None) -> Path:
-    """Where the benchmark folders are: the argument, $ADAFUSE_BENCHMARKS, or ../shared/benchmarks."""
-    for candidate in (explicit, os.environ.get("ADAFUSE_BENCHMARKS"), Path.cwd().parent / "shared" / "benchmarks",
-                      Path(__file__).resolve().parents[2] / "shared" / "benchmarks"):
-        if candidate and Path(candidate).is_dir():
-            return Path(candidate)
-    raise FileNotFoundError("benchmark data not found: pass --data or set ADAFUSE_BENCHMARKS (e.g. ../shared/benchmarks)")
+    """The benchmark folder: the argument, else $ADAFUSE_DATA (the library never guesses a path)."""
+    chosen = explicit or os.environ.get("ADAFUSE_DATA")
+    if not chosen:
+        raise FileNotFoundError("no benchmark data folder: pass one (--data) or set ADAFUSE_DATA, e.g. to ../shared/benchmarks")
+    if not Path(chosen).is_dir():
+        raise FileNotFoundError(f"benchmark data folder {chosen} does not exist")
+    return Path(chosen)

@@ -4,6 +4,10 @@ from __future__ import annotations
 import re
 import string
 
+from ..answers import first_line_answer
+
+__all__ = ["exact_match", "first_line_answer", "lenient_match", "normalize_answer"]
+
 _NUMBER_WORDS = {
     "zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6", "seven": "7",
     "eight": "8", "nine": "9", "ten": "10", "eleven": "11", "twelve": "12", "thirteen": "13", "fourteen": "14",
@@ -31,11 +35,3 @@ def exact_match(prediction: str, answers: list[str]) -> bool:
     """True when the normalised prediction equals a normalised accepted answer."""
     predicted = normalize_answer(prediction)
     return any(predicted == normalize_answer(answer) for answer in answers)
-
-
-def first_line_answer(completion: str) -> str:
-    """What a user's parser keeps of a few-shot completion: text before a blank line or a new 'Question:'."""
-    text = completion.strip()
-    for marker in ("\n\n", "\nQuestion:"):
-        text = text.split(marker, 1)[0]
-    return text.strip()

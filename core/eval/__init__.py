@@ -1,0 +1,3 @@
+"""Evaluation: the paper's six benchmarks, methods and baselines over one engine, metrics and the report.
+
+Nothing on the decoding path imports this package."""

@@ -1,0 +1,241 @@
+"""AdaFuse, the fused model: what callers use (generate, stream, score), over the decoding in `fusion.round`
+scheduled by `runtime.scheduler`, or adaptive sampling where the configuration asks for it."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import closing
+from typing import Any
+
+import torch
+
+from ..backend import ModelBackend
+from ..config import DecodingMode, FusionConfig
+from ..models import DEFAULT_ENSEMBLE
+from ..prompts import Prompt, normalize_prompt, normalize_prompts
+from ..result import GenerationResult
+from ..runtime import TreeBatch
+from ..runtime.scheduler import RowTask, Scheduler
+from ..sampling.adaptive import sample_adaptively, sampling_policies
+from ..sampling.policies import PolicyCache
+from ..streaming import in_worker_thread
+from .gate import GateSession, gate_session
+from .round import RoundContext, rounds
+from .scoring import competence_marks, row_weights, span_nll
+from .state import RowState
+
+__all__ = ["AdaFuse"]
+
+
+class AdaFuse:
+    """Adaptive word-level ensemble of causal LMs (AdaFuse, arXiv 2601.06022).
+
+    Every round each model proposes whole-word spans (committing up to M words greedily when confident,
+    branching on its top-B first tokens when not); every model scores every pooled candidate by mean NLL
+    under its own tokenizer; the candidate with the lowest weighted mean NLL extends the shared text.
+    """
+
+    def __init__(self, backends: Sequence[ModelBackend], config: FusionConfig | None = None):
+        if not backends:
+            raise ValueError("AdaFuse needs at least one model")
+        self.backends = list(backends)
+        self._lock = threading.Lock()
+        self._policies = PolicyCache()
+        self.config = self.check_config(config or FusionConfig())
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        models: Sequence[str] = DEFAULT_ENSEMBLE,
+        config: FusionConfig | None = None,
+        *,
+        device_map: str | dict | None = None,
+        dtype: str | torch.dtype | None = None,
+        reuse_prompt_prefix: bool = True,
+        **config_overrides: Any,
+    ) -> "AdaFuse":
+        """Load models by embedded name, Hugging Face id or local folder (defaults: the embedded pair)."""
+        if isinstance(models, str):
+            models = [models]
+        backends = [
+            ModelBackend.from_pretrained(m, device_map=device_map, dtype=dtype, reuse_prompt_prefix=reuse_prompt_prefix)
+            for m in models
+        ]
+        return cls(backends, (config or FusionConfig()).update(**config_overrides))
+
+    @property
+    def model_names(self) -> list[str]:
+        return [b.name for b in self.backends]
+
+    @property
+    def context_window(self) -> int:
+        return min(b.context_window for b in self.backends)
+
+    # ------------------------------------------------------------------ public API
+    def generate(
+        self,
+        prompt: Prompt | list[Prompt],
+        *,
+        trace: bool = False,
+        max_batch_size: int | None = None,
+        gate: GateSession | None = None,
+        **overrides: Any,
+    ) -> GenerationResult | list[GenerationResult]:
+        """Fused completion of one prompt (str or chat messages) or of a list of prompts decoded as a batch.
+
+        With `max_batch_size`, at most that many prompts decode together and the next prompt joins as soon as
+        one finishes (continuous batching), so short answers do not wait for the longest one.
+        `gate` runs a fusion gate session (for training; to decode with a trained gate set `fusion_gate`).
+        Keyword overrides replace `FusionConfig` fields for this call (e.g. `tau_delta=0.5, stop=["\\n"]`).
+        """
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+        prompts, single = normalize_prompts(prompt)
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        for event in self._decode(prompts, self._call_config(overrides), trace, max_batch_size, gate):
+            if isinstance(event, tuple) and isinstance(event[1], GenerationResult):
+                results[event[0]] = event[1]
+        return results[0] if single else results
+
+    def stream(self, prompt: Prompt, *, trace: bool = False, **overrides: Any) -> Iterator[str | GenerationResult]:
+        """Yield text pieces as rounds commit them, then the final `GenerationResult`.
+
+        Text that could be the start of a stop sequence is held back until it is known not to be one. The decode
+        runs in a worker thread: a stream left unread does not block other calls, and closing it cancels it.
+        """
+        events = self._decode([normalize_prompt(prompt)], self._call_config(overrides), trace)
+        with closing(in_worker_thread(events)) as pieces:
+            for _, piece in pieces:
+                if isinstance(piece, GenerationResult) or piece:
+                    yield piece
+
+    def check_prompt(self, prompt: Prompt, **overrides: Any) -> None:
+        """Raise the ValueError or TypeError that `generate(prompt, **overrides)` would raise for this prompt
+        (malformed, empty, or too long for a model's context window), without decoding anything."""
+        self._encode([normalize_prompt(prompt)], self._call_config(overrides))
+
+    def _call_config(self, overrides: dict[str, Any]) -> FusionConfig:
+        return self.check_config(self.config.update(**overrides))
+
+    def check_config(self, config: FusionConfig) -> FusionConfig:
+        """Validate `config` for these models, loading its fusion gate if it names one; return it."""
+        config.validate(len(self.backends))
+        vocab = min(b.vocab_size for b in self.backends)
+        for name in ("num_branches", "token_top_k"):
+            if getattr(config, name) > vocab:
+                raise ValueError(f"invalid {name}={getattr(config, name)}: above the smallest vocabulary of these "
+                                 f"models ({vocab} tokens)")
+        gate_session(self._policies, config, self.backends)
+        sampling_policies(self._policies, config, self.backends)
+        return config
+
+    # ------------------------------------------------------------------ decoding
+    def _decode(self, prompts: list[Prompt], config: FusionConfig, trace: bool, max_batch_size: int | None = None,
+                gate: GateSession | None = None) -> Iterator[tuple[int, str | GenerationResult]]:
+        """(prompt index, text piece) as rounds commit text, then (prompt index, result) for each prompt."""
+        if config.decoding_mode() is DecodingMode.ADAPTIVE_SAMPLING:
+            yield from self._sample(prompts, config, max_batch_size)
+            return
+        gate = gate or gate_session(self._policies, config, self.backends)
+        with self._lock:
+            started = time.perf_counter()
+            for backend in self.backends:
+                backend.reset_counters()
+            encoded = self._encode(prompts, config)
+            rows = [RowState(trace=[] if trace else None) for _ in prompts]
+            scheduler = Scheduler(len(prompts), max_batch_size)
+            context = RoundContext(self.backends, scheduler, config, gate,
+                                   torch.Generator(device=self.backends[0].model.device).manual_seed(config.seed))
+            prior = torch.tensor(config.model_weights or [1.0] * len(self.backends))
+            prior = prior / prior.sum()
+
+            def admit(joining: list[int]) -> list[TreeBatch]:
+                return self._admit(joining, prompts, encoded, rows, config, keep_hidden=gate is not None)
+
+            def start(r: int) -> RowTask:
+                state = rows[r]
+                state.weights = row_weights(prior, scheduler.batches, scheduler.position(r), state.competence,
+                                            config.competence_sharpness)
+                state.stats.model_weights = dict(zip(self.model_names, state.weights.tolist()))
+                return rounds(r, state, context)
+
+            for r in scheduler.run(admit, start):
+                yield from ((r, piece) for piece in rows[r].take_pieces())
+            yield from self._finish(rows, scheduler, time.perf_counter() - started, gate)
+
+    def _admit(self, joining: list[int], prompts: list[Prompt], encoded: list[list[list[int]]], rows: list[RowState],
+               config: FusionConfig, keep_hidden: bool) -> list[TreeBatch]:
+        """Prefill the joining prompts for every model (scoring the prompt tokens that competence reads)."""
+        scored: list[list[list[bool]] | None] = [None] * len(self.backends)
+        if config.scoring == "competence" and len(self.backends) > 1:
+            for r in joining:
+                rows[r].competence = competence_marks(self.backends, prompts[r])
+            scored = [[rows[r].competence[m][0] for r in joining] for m in range(len(self.backends))]
+        return [backend.start([ids[r] for r in joining], keep_hidden, marks)
+                for backend, ids, marks in zip(self.backends, encoded, scored)]
+
+    def _finish(self, rows: list[RowState], scheduler: Scheduler, elapsed: float, gate: GateSession | None
+                ) -> Iterator[tuple[int, str | GenerationResult]]:
+        """Every row's remaining text and its result, with the call's work counters."""
+        counters = [b.reset_counters() for b in self.backends]
+        for r, state in enumerate(rows):
+            state.stats.wall_time_s = elapsed
+            state.stats.batch_size = len(rows)
+            state.stats.new_tokens = state.new_tokens
+            state.stats.forward_passes = {b.name: c["forward_passes"] for b, c in zip(self.backends, counters)}
+            state.stats.tokens_processed = {b.name: c["tokens"] for b, c in zip(self.backends, counters)}
+            state.stats.row_forward_passes = dict(zip(self.model_names, scheduler.row_forwards.get(r, [])))
+            if gate is not None and gate.sample:
+                gate.decisions[r] = state.gate_decisions
+            if state.emitted < len(state.text):
+                yield r, state.text[state.emitted:]
+            yield r, GenerationResult(state.text, state.finish_reason, state.stats, state.trace)
+
+    def _sample(self, prompts: list[Prompt], config: FusionConfig, max_batch_size: int | None
+                ) -> Iterator[tuple[int, str | GenerationResult]]:
+        """Adaptive sampling (arXiv 2603.09065) with the model the configured adapters were trained for."""
+        backend, token, sequence = sampling_policies(self._policies, config, self.backends)
+        with self._lock:
+            self._encode_for(backend, prompts, config)
+            texts = [backend.render(p) for p in prompts]
+            events = list(sample_adaptively(backend, token, sequence, texts, config, max_batch_size))
+        yield from events
+
+    def _encode(self, prompts: list[Prompt], config: FusionConfig) -> list[list[list[int]]]:
+        """Render and encode each prompt for each model (per model, per prompt), checking it before any work."""
+        return [self._encode_for(backend, prompts, config) for backend in self.backends]
+
+    @staticmethod
+    def _encode_for(backend: ModelBackend, prompts: list[Prompt], config: FusionConfig) -> list[list[int]]:
+        """One model's token ids of each (normalised) prompt; a too long prompt raises, naming the model."""
+        encoded = []
+        for prompt in prompts:
+            ids = backend.encode_prompt(backend.render(prompt))
+            if len(ids) + config.max_new_tokens > backend.context_window:
+                raise ValueError(
+                    f"prompt of {len(ids)} tokens plus max_new_tokens={config.max_new_tokens} exceeds the "
+                    f"context window of model {backend.name!r} ({backend.context_window} tokens)"
+                )
+            encoded.append(ids)
+        return encoded
+
+    def score(self, prompt: Prompt, continuations: list[str]) -> list[list[float]]:
+        """Each model's mean token NLL of each continuation of `prompt` (one row per continuation).
+
+        The sample-level baseline uses this to pick, among whole answers, the one the ensemble finds likeliest.
+        """
+        if any(not text for text in continuations):
+            raise ValueError("continuations to score must be non-empty strings")
+        with self._lock:
+            for backend in self.backends:
+                backend.reset_counters()  # left counting this call's work, for callers that report it
+            encoded = self._encode([normalize_prompt(prompt)], self.config)
+            per_model = []
+            for backend, ids in zip(self.backends, encoded):
+                batch = backend.start(ids)
+                paths = [backend.encode_piece(text) for text in continuations]
+                batch.ensure_paths([paths])
+                per_model.append([span_nll(backend, batch, 0, path, text, False, "token")
+                                  for path, text in zip(paths, continuations)])
+        return [list(row) for row in zip(*per_model)]

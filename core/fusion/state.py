@@ -1,0 +1,36 @@
+"""Decoding state of one prompt, shared by all models (the text is the source of truth)."""
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..result import DecodingStats, RoundTrace
+from .gate import GateDecision
+
+__all__ = ["CompetenceMarks", "RowState"]
+
+# Per model: which prompt tokens measure competence, and their character offsets.
+CompetenceMarks = list[tuple[list[bool], list[tuple[int, int]] | None]]
+
+
+@dataclass
+class RowState:
+    """One prompt's text so far, what of it was handed out, and why it finished."""
+
+    text: str = ""
+    emitted: int = 0
+    new_tokens: int = 0
+    finish_reason: str | None = None
+    stats: DecodingStats = field(default_factory=DecodingStats)
+    trace: list[RoundTrace] | None = None
+    gate_decisions: list[GateDecision] = field(default_factory=list)
+    task: Generator | None = None  # the row's rounds, a coroutine driven by the scheduler
+    pieces: list[str] = field(default_factory=list)  # text safe to emit, not yet handed out
+    weights: torch.Tensor | None = None  # each model's weight in this prompt's fused scores
+    competence: CompetenceMarks | None = None
+
+    def take_pieces(self) -> list[str]:
+        pieces, self.pieces = self.pieces, []
+        return pieces

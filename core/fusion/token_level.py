@@ -1,0 +1,38 @@
+"""The token-level baseline (UniTE-style): each round pools every model's top-k next tokens by their text and
+picks the one with the highest weighted mean probability."""
+from __future__ import annotations
+
+import torch
+
+from ..backend import ModelBackend
+from ..config import FusionConfig
+from ..runtime import TreeBatch
+from .candidates import Candidate, CandidatePool
+
+__all__ = ["token_candidates", "token_scores"]
+
+
+def token_candidates(backends: list[ModelBackend], batches: list[TreeBatch], position: int, config: FusionConfig) -> list[Candidate]:
+    """Every model's top-k next tokens for one row, pooled by their text."""
+    pool = CandidatePool()
+    for backend, batch in zip(backends, batches):
+        for token in batch.root_logprobs[position].topk(config.token_top_k).indices.tolist():
+            ends = token in backend.end_ids
+            pool.add("" if ends else backend.decode([token]), ends, backend.name)
+    return pool.candidates()
+
+
+def token_scores(backends: list[ModelBackend], batches: list[TreeBatch], position: int, pool: list[Candidate],
+                 weights: torch.Tensor) -> tuple[list[list[float]], list[float]]:
+    """Each model's log-probability of each pooled token text (mapped through its own tokenizer's first token), and
+    the fused score: minus the log of the weighted mean probability."""
+    nll = []
+    for candidate in pool:
+        row = []
+        for backend, batch in zip(backends, batches):
+            logprobs = batch.root_logprobs[position]
+            tokens = backend.encode_piece(candidate.text)
+            row.append(-float(backend.end_logprob(logprobs) if candidate.ends else logprobs[tokens[0]]))
+        nll.append(row)
+    fused = [-float(torch.log(torch.exp(-torch.tensor(n)) @ weights)) for n in nll]
+    return nll, fused
