@@ -62,7 +62,7 @@ def _read_stdin() -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .engine import AdaFuse
+    from .fusion.engine import AdaFuse
 
     config = FusionConfig(
         tau_delta=args.tau_delta,

@@ -14,21 +14,36 @@ from adafuse.kernels.cpu import PackedLinear
 CORE = Path(__file__).resolve().parents[1] / "core"
 
 
+def _modules() -> dict[str, Path]:
+    return {("adafuse." + ".".join(p.relative_to(CORE).with_suffix("").parts)).removesuffix(".__init__"): p
+            for p in CORE.rglob("*.py")}
+
+
+def _imported(name: str, path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names) of each `from ... import` of the package in one module (lazy imports included)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("adafuse")):
+            base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]) if node.level else ""
+            found.append((".".join(filter(None, [base, node.module or ""])), [a.name for a in node.names]))
+    return found
+
+
 def _imports() -> dict[str, set[str]]:
-    """Module name -> the adafuse modules it imports (anywhere in it, lazy imports included)."""
-    files = {("adafuse." + ".".join(p.relative_to(CORE).with_suffix("").parts)).removesuffix(".__init__"): p
-             for p in CORE.rglob("*.py")}
-    graph = {}
-    for name, path in files.items():
-        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]) if node.level else ""
-                target = ".".join(filter(None, [base, node.module or ""]))
-                found |= {t for t in [target, *(f"{target}.{a.name}" for a in node.names)] if t in files and t != name}
-        graph[name] = found
-    return graph
+    """Module name -> the adafuse modules it imports (a name imported from a package may be a module of it)."""
+    files = _modules()
+    return {
+        name: {t for target, names in _imported(name, path) for t in [target, *(f"{target}.{n}" for n in names)]
+               if t in files and t != name}
+        for name, path in files.items()
+    }
+
+
+def test_every_import_of_the_package_names_a_module_that_exists():
+    files = _modules()
+    missing = [(name, target) for name, path in files.items() for target, _ in _imported(name, path) if target not in files]
+    assert not missing
 
 
 def test_inference_never_imports_training_or_evaluation():
