@@ -14,7 +14,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from adafuse import AdaFuse
-from adafuse.kernels import cpu as cpu_kernels
+from adafuse.kernels.cpu import PackedLinear
 
 WORDS = "the river bank moon football ensemble decoding fuses several language models words".split()
 
@@ -32,9 +32,9 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=200, help="print RSS every this many generations")
     parser.add_argument("--no-bucketing", action="store_true", help="one oneDNN shape per row count (the old way)")
     args = parser.parse_args()
-    if args.no_bucketing:
-        cpu_kernels.row_bucket = lambda rows: rows
     fuser = AdaFuse.from_pretrained(args.models, max_new_tokens=3, reuse_prompt_prefix=False)
+    for layer in (m for b in fuser.backends for m in b.model.modules() if isinstance(m, PackedLinear)):
+        layer.bucket_rows = not args.no_bucketing
     rng = random.Random(0)
     print(f"models {args.models}, bucketing {'off' if args.no_bucketing else 'on'}; RSS after loading {rss_mb():.0f} MB")
     print("generations\tRSS MB")

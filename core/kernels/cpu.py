@@ -100,7 +100,10 @@ def real_tokens(real: torch.Tensor) -> Iterator[None]:
 
 class PackedLinear(nn.Module):
     """Drop-in for a frozen `nn.Linear` on CPU: the same `weight` (still shared with tied embeddings, still in
-    the state dict) plus its oneDNN-packed copy that inference runs on."""
+    the state dict) plus its oneDNN-packed copy that inference runs on. `bucket_rows` (default True) pads row
+    counts to their `row_bucket`."""
+
+    bucket_rows = True
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -125,7 +128,7 @@ class PackedLinear(nn.Module):
     def _product(self, flat: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The packed product of a rows x in_features matrix, its rows padded up to their `row_bucket`."""
         rows = flat.shape[0]
-        padded = row_bucket(rows)
+        padded = row_bucket(rows) if self.bucket_rows else rows
         if padded != rows:
             flat = torch.cat([flat, flat.new_zeros(padded - rows, self.in_features)])
         return torch.ops.mkldnn._linear_pointwise(flat, self.packed, bias, "none", [], "")[:rows]
