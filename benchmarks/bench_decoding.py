@@ -58,11 +58,12 @@ def report(name: str, seconds: list[float], tokens: list[int], work: dict[str, d
 
 
 def prime_prefix_caches(fuser: AdaFuse, primer: str) -> None:
-    """Fresh prompt caches holding only `primer` (another question of the benchmark), so every timed run starts as a
-    server that has seen the prompt template, not these prompts."""
+    """Fresh prompt caches holding only `primer` (another question of the benchmark), encoded as the engine encodes
+    prompts (with the prompt-token NLLs competence scoring reads), so every timed run starts as a server that has
+    seen the prompt template, not these prompts."""
     for backend in fuser.backends:
         backend.prefix_cache = PromptPrefixCache()
-        backend.start([backend.encode_prompt(primer)])
+    fuser.generate(primer, max_new_tokens=1)
 
 
 class BatchTimings(NamedTuple):

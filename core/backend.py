@@ -127,7 +127,7 @@ class ModelBackend:
         context) are encoded in a second forward, after that prompt, so they reuse its KV instead of recomputing it.
         """
         self._piece_cache.clear()
-        later = self.prefix_cache.followers(prompts) if self.prefix_cache else []
+        later = self.prefix_cache.followers(prompts, with_nll=scored is not None) if self.prefix_cache else []
         first = [i for i in range(len(prompts)) if i not in later]
         pick = (lambda rows: [scored[i] for i in rows]) if scored is not None else (lambda rows: None)
         batch = self._encode_rows([prompts[i] for i in first], keep_hidden, pick(first))

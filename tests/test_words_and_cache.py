@@ -203,6 +203,27 @@ def test_output_head_split_is_checked_against_the_full_model(llama_backend):
     assert OutputHead.of(ScaledLogits(llama_backend.model)) is None
 
 
+def test_scored_prompts_of_one_batch_share_their_prefix_when_the_cache_kept_no_nll(llama_backend):
+    """A cached prompt without token NLLs cannot serve a scored prefill, so rows that share a long prefix must still
+    follow one another in the batch instead of each encoding it in full."""
+    prefix = "The quick brown fox jumps over the lazy dog near the river bank. " * 4
+    prompts = [llama_backend.encode_prompt(prefix + q) for q in ("Paris is", "In 1969 the first")]
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
+    assert shared > 100
+    kept = llama_backend.prefix_cache
+    try:
+        llama_backend.prefix_cache = PromptPrefixCache()
+        llama_backend.start([prompts[0][: shared - 2]])  # cached without NLLs
+        llama_backend.reset_counters()
+        batch = llama_backend.start(prompts, scored=[[True] * len(p) for p in prompts])
+        tokens = llama_backend.reset_counters()["tokens"]
+    finally:
+        llama_backend.prefix_cache = kept
+    assert tokens == len(prompts[0]) + len(prompts[1]) - shared
+    unknown = [[i for i, value in enumerate(row.prompt_nll) if value != value] for row in batch.rows]
+    assert unknown[0] == [0] and set(unknown[1]) <= {0, shared}  # the first token, and the one after the reused part
+
+
 def test_tree_without_split_head_matches_full_reencoding(gemma_backend):
     prompts = [gemma_backend.encode_prompt(PROMPT), gemma_backend.encode_prompt("The quick brown fox")]
     span = gemma_backend.encode_piece(" jumps over")

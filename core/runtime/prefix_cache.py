@@ -43,13 +43,14 @@ class PromptPrefixCache:
                 best, longest = entry, shared
         return (best, longest) if longest >= self.min_tokens else (None, 0)
 
-    def followers(self, prompts: list[list[int]], gain: int = 64) -> list[int]:
+    def followers(self, prompts: list[list[int]], gain: int = 64, with_nll: bool = False) -> list[int]:
         """Rows that share at least `gain` more tokens with an earlier row of their batch than with any cached
-        prompt, so encoding them after that row (which gets cached) saves recomputing the shared part."""
+        prompt (`with_nll`: any that kept token NLLs, the only ones such a prefill can reuse), so encoding them after
+        that row (which gets cached) saves recomputing the shared part."""
         later: list[int] = []
         for i, prompt in enumerate(prompts):
             in_batch = max((common_prefix(prompts[j], prompt, len(prompt) - 1) for j in range(i) if j not in later), default=0)
-            if in_batch >= self.match(prompt)[1] + gain:
+            if in_batch >= self.match(prompt, with_nll)[1] + gain:
                 later.append(i)
         return later
 
