@@ -43,8 +43,9 @@ def rounds(r: int, state: RowState, context: RoundContext) -> RowTask:
     they got."""
     config = context.config
     token_level = config.decoding_mode() is DecodingMode.TOKEN_FUSION
+    deepest = _deepest_proposal(config)
     while True:
-        if min(_room(context, r)) < deepest_proposal(config):
+        if min(_room(context, r)) < deepest:
             state.finish_reason = "length"  # the next round's proposals could run past a context window
             return
         found = _token_round(r, state, context) if token_level else (yield from _word_round(r, state, context))
@@ -70,7 +71,7 @@ def rounds(r: int, state: RowState, context: RoundContext) -> RowTask:
             batch.commit_row(position, span)
 
 
-def deepest_proposal(config: FusionConfig) -> int:
+def _deepest_proposal(config: FusionConfig) -> int:
     """The most positions one round's proposals can add beyond a row's committed tokens (plus the end token)."""
     if config.decoding_mode() is DecodingMode.TOKEN_FUSION:
         return 2

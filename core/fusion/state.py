@@ -1,7 +1,6 @@
 """Decoding state of one prompt, shared by all models (the text is the source of truth)."""
 from __future__ import annotations
 
-from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +25,6 @@ class RowState:
     stats: DecodingStats = field(default_factory=DecodingStats)
     trace: list[RoundTrace] | None = None
     gate_decisions: list[GateDecision] = field(default_factory=list)
-    task: Generator | None = None  # the row's rounds, a coroutine driven by the scheduler
     pieces: list[str] = field(default_factory=list)  # text safe to emit, not yet handed out
     weights: torch.Tensor | None = None  # each model's weight in this prompt's fused scores
     competence: CompetenceMarks | None = None

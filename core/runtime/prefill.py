@@ -28,10 +28,7 @@ class _Layout:
     width: int
     input_ids: torch.Tensor
     mask: torch.Tensor  # batch x (reused + width), 1 for real columns
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return (self.mask.cumsum(-1) - 1).clamp(min=0)
+    positions: torch.Tensor  # each column's position in its row
 
 
 @torch.inference_mode()
@@ -75,7 +72,7 @@ def _layout(prompts: list[list[int]], pad_token_id: int, prefix_cache: PromptPre
         mask[r, :length] = 1
         input_ids[r, width - len(suffix):] = torch.tensor(suffix)
         mask[r, reused + width - len(suffix):] = 1
-    return _Layout(matches, suffixes, reused, width, input_ids, mask)
+    return _Layout(matches, suffixes, reused, width, input_ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))
 
 
 def _reused_prefix_mask(runner: ModelRunner, layout: _Layout):
