@@ -131,6 +131,17 @@ def test_cutting_at_the_token_budget_never_splits_a_character(pair):
         assert "\ufffd" not in cut and text.startswith(cut)
 
 
+def test_a_cut_stays_within_the_budget_when_the_text_holds_a_replacement_character(pair):
+    """U+FFFD in the text (a decoded partial byte) takes several byte tokens: a cut among them must back off."""
+    counter = pair.backends[0]
+    text = " Francez\ufffd"
+    ids = counter.encode_piece(text)
+    assert len(ids) > len(counter.encode_piece(" Francez")) + 1
+    for budget in range(1, len(ids)):
+        cut = truncate(counter, text, budget)
+        assert len(counter.encode_piece(cut)) <= budget and text.startswith(cut)
+
+
 def test_decoding_stays_inside_every_context_window(llama_backend, gemma_backend, monkeypatch):
     """The budget check at the start counts the first model's tokens only; exploration goes deeper still."""
     fuser = AdaFuse([llama_backend, gemma_backend],

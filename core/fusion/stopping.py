@@ -36,14 +36,17 @@ def append_span(state: RowState, chosen: Candidate, config: FusionConfig, counte
 
 
 def truncate(counter: ModelBackend, text: str, max_tokens: int) -> str:
-    """Cut text to at most max_tokens tokens of `counter`, as transformers' generate would."""
+    """Cut text to at most max_tokens tokens of `counter`, as transformers' generate would. A cut inside a
+    character's bytes decodes to U+FFFD, which is not a prefix of the text and may re-encode to more tokens than
+    the budget (when the text holds U+FFFD itself): such cuts back off to a whole character."""
     ids = counter.encode_piece(text)
     if len(ids) <= max_tokens:
         return text
-    cut = counter.decode(ids[:max_tokens])
-    while cut.endswith("\ufffd") and "\ufffd" not in text:  # the cut split a character's bytes: drop it whole
-        max_tokens -= 1
-        cut = counter.decode(ids[:max_tokens])
+    keep = max_tokens
+    cut = counter.decode(ids[:keep])
+    while keep > 0 and not (text.startswith(cut) and len(counter.encode_piece(cut)) <= max_tokens):
+        keep -= 1
+        cut = counter.decode(ids[:keep])
     return cut
 
 
