@@ -118,6 +118,20 @@ class ModelBackend:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
+    def truncate(self, text: str, max_tokens: int) -> str:
+        """`text` cut to at most `max_tokens` tokens of this tokenizer, as transformers' generate would. A cut inside
+        a character's bytes decodes to U+FFFD, which is not a prefix of the text and may re-encode to more tokens
+        than the budget (when the text holds U+FFFD itself): such cuts back off to a whole character."""
+        ids = self.encode_piece(text)
+        if len(ids) <= max_tokens:
+            return text
+        keep = max_tokens
+        cut = self.decode(ids[:keep])
+        while keep > 0 and not (text.startswith(cut) and len(self.encode_piece(cut)) <= max_tokens):
+            keep -= 1
+            cut = self.decode(ids[:keep])
+        return cut
+
     # ------------------------------------------------------------------ requests
     def start(self, prompts: list[list[int]], keep_hidden: bool = False, scored: list[list[bool]] | None = None) -> TreeBatch:
         """Encode prompts into a fresh KV cache, reusing cached prompts' prefixes (`scored`: and compute the NLL of

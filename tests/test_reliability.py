@@ -17,7 +17,6 @@ from adafuse import AdaFuse, FusionConfig
 from adafuse.sampling.policies import TokenAdapter
 from adafuse.training.reinforce import load_checkpoint, save_checkpoint
 from adafuse.files import append_jsonl, read_jsonl, write_text_atomically
-from adafuse.fusion.stopping import truncate
 from adafuse.runtime import ModelRunner
 
 PROMPT = "Question: who wrote the play Hamlet?\nAnswer:"
@@ -127,7 +126,7 @@ def test_cutting_at_the_token_budget_never_splits_a_character(pair):
     text = "Answer: é😀 and more"
     ids = pair.backends[0].encode_piece(text)
     for budget in range(1, len(ids)):
-        cut = truncate(pair.backends[0], text, budget)
+        cut = pair.backends[0].truncate(text, budget)
         assert "\ufffd" not in cut and text.startswith(cut)
 
 
@@ -138,7 +137,7 @@ def test_a_cut_stays_within_the_budget_when_the_text_holds_a_replacement_charact
     ids = counter.encode_piece(text)
     assert len(ids) > len(counter.encode_piece(" Francez")) + 1
     for budget in range(1, len(ids)):
-        cut = truncate(counter, text, budget)
+        cut = counter.truncate(text, budget)
         assert len(counter.encode_piece(cut)) <= budget and text.startswith(cut)
 
 

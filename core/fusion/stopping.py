@@ -28,26 +28,11 @@ def append_span(state: RowState, chosen: Candidate, config: FusionConfig, counte
         state.finish_reason = "eos"
     elif state.new_tokens >= config.max_new_tokens or (config.max_rounds and state.stats.rounds >= config.max_rounds):
         state.finish_reason = "length"
-        state.text = truncate(counter, state.text, config.max_new_tokens)
+        state.text = counter.truncate(state.text, config.max_new_tokens)
         state.new_tokens = len(counter.encode_piece(state.text))
     safe = len(state.text) if state.finish_reason else len(state.text) - _held_back(state.text, config.stop)
     piece, state.emitted = state.text[state.emitted:safe], max(state.emitted, safe)
     return piece
-
-
-def truncate(counter: ModelBackend, text: str, max_tokens: int) -> str:
-    """Cut text to at most max_tokens tokens of `counter`, as transformers' generate would. A cut inside a
-    character's bytes decodes to U+FFFD, which is not a prefix of the text and may re-encode to more tokens than
-    the budget (when the text holds U+FFFD itself): such cuts back off to a whole character."""
-    ids = counter.encode_piece(text)
-    if len(ids) <= max_tokens:
-        return text
-    keep = max_tokens
-    cut = counter.decode(ids[:keep])
-    while keep > 0 and not (text.startswith(cut) and len(counter.encode_piece(cut)) <= max_tokens):
-        keep -= 1
-        cut = counter.decode(ids[:keep])
-    return cut
 
 
 def _held_back(text: str, stops: list[str]) -> int:

@@ -89,6 +89,8 @@ class AdaptiveSampler:
                     if hits:
                         rollout.text, rollout.finish_reason = rollout.text[: min(hits)], "stop"
                 done = rollout.finish_reason != "length" or step == max_new_tokens - 1
+                if done and rollout.finish_reason == "length":  # the budget may end inside a character's bytes
+                    rollout.text = backend.truncate(rollout.text, max_new_tokens)
                 spans.append(None if done else [token])
             batch.commit(spans)
             active = [r for r, span in zip(active, spans) if span is not None]
