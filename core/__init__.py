@@ -3,15 +3,18 @@ from ._threads import bound_openmp_spinning
 
 bound_openmp_spinning()
 
-from .backend import ModelBackend
+from .backend import Backend, ModelBackend
 from .config import DecodingMode, FusionConfig, SamplingFilter
 from .fusion import AdaFuse, FusionGate
 from .models import DEFAULT_MODELS, ModelLoadError, load_model, prepare_default_models
+from .remote import BackendError, RemoteBackend
 from .result import CandidateTrace, DecodingStats, GenerationResult, RoundTrace
 from .sampling import SequenceAdapter, TokenAdapter
 
 __all__ = [
     "AdaFuse",
+    "Backend",
+    "BackendError",
     "CandidateTrace",
     "DEFAULT_MODELS",
     "DecodingMode",
@@ -21,6 +24,7 @@ __all__ = [
     "GenerationResult",
     "ModelBackend",
     "ModelLoadError",
+    "RemoteBackend",
     "RoundTrace",
     "SamplingFilter",
     "SequenceAdapter",

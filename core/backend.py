@@ -1,80 +1,52 @@
-"""One model of the ensemble: weights, tokenizer, word boundaries, end tokens and work counters."""
+"""One model of the ensemble as the engine sees it: a tokenizer (text <-> ids, word starts, end tokens), work
+counters, and `start()`, which encodes prompts into a `TokenTree` the engine decodes over. `ModelBackend` runs
+the model in this process; `adafuse.remote.RemoteBackend` asks a served one."""
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from .chat import Message, render_chat
 from .kernels import prepare_for_cpu
 from .models import load_model
-from .runtime import ModelRunner, OutputHead, PromptPrefixCache, TreeBatch, prefill
+from .runtime import ModelRunner, OutputHead, PromptPrefixCache, TokenTree, TreeBatch, prefill
 from .words import word_start_table
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelBackend"]
+__all__ = ["Backend", "ModelBackend", "context_window_of"]
 
 _END_OF_TURN_PIECES = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end|>")
 
 
-class ModelBackend:
-    """A causal LM prepared for word-level fusion.
+class Backend(ABC):
+    """What the engine needs of one model: its tokenizer's view of text and a way to run token trees.
 
-    Per-request state lives in the `TreeBatch` that `start()` returns (the KV cache and scratch tree of a
-    batch of prompts); the backend keeps only the KV of the last prompt, reused by prompts that begin the same
-    way. One backend serves many requests, one at a time.
-
-    With `cpu_kernels=True` a CPU model gets faster kernels (`adafuse.kernels`: oneDNN-packed linear layers,
-    copy-free grouped-query attention, a malloc that keeps freed memory), which change the model object and treat
-    its weights as frozen; so a model you pass in is left as it is unless you ask. `from_pretrained`, which loads
-    a model of its own, asks by default.
+    `hidden_size` is the width of the final-layer states that learned policies read (None where a backend cannot
+    return them); `max_top_k` the most next-token alternatives it reports per position (None: the whole
+    vocabulary).
     """
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
-        name: str | None = None,
-        *,
-        reuse_prompt_prefix: bool = True,
-        cpu_kernels: bool = False,
-    ):
-        self.model = model.eval()
-        tuning = prepare_for_cpu(self.model) if cpu_kernels else None
-        self.prefix_cache = PromptPrefixCache() if reuse_prompt_prefix else None
+    hidden_size: int | None = None
+    max_top_k: int | None = None
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, name: str, model_type: str, vocab_size: int,
+                 context_window: int, generation_config: GenerationConfig | None, device: torch.device):
+        self.tokenizer, self.name, self.model_type = tokenizer, name, model_type
+        self.vocab_size, self.context_window, self.device = vocab_size, context_window, device
         self.counters = {"forward_passes": 0, "tokens": 0}
-        self.runner = ModelRunner(self.model, self.counters, tuning, OutputHead.of(self.model))
-        self.tokenizer = tokenizer
-        self.name = name or getattr(model.config, "_name_or_path", None) or model.config.model_type
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.starts_word = word_start_table(tokenizer, self.vocab_size).to(model.device)
-        self.end_ids = self._end_token_ids()
+        self.starts_word = word_start_table(tokenizer, vocab_size).to(device)
+        self.end_ids = self._end_token_ids(generation_config)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.end_ids)
-        self.context_window = _context_window(model.config)
-        self.hidden_size = _text_config(model.config).hidden_size
         self._piece_cache: dict[str, list[int]] = {}
 
-    @classmethod
-    def from_pretrained(
-        cls,
-        name_or_path: str,
-        *,
-        device_map: str | dict | None = None,
-        dtype: str | torch.dtype | None = None,
-        reuse_prompt_prefix: bool = True,
-        cpu_kernels: bool = True,
-        **kwargs: Any,
-    ) -> "ModelBackend":
-        """Load an embedded default model name, a Hugging Face id or a local folder."""
-        model, tokenizer = load_model(name_or_path, device_map=device_map, dtype=dtype, **kwargs)
-        return cls(model, tokenizer, name=name_or_path, reuse_prompt_prefix=reuse_prompt_prefix, cpu_kernels=cpu_kernels)
-
-    def _end_token_ids(self) -> list[int]:
+    def _end_token_ids(self, generation_config: GenerationConfig | None) -> list[int]:
         ids = set()
-        for source in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+        for source in (self.tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None)):
             ids.update(source if isinstance(source, list) else [source] if source is not None else [])
         vocab = self.tokenizer.get_vocab()
         ids.update(vocab[piece] for piece in _END_OF_TURN_PIECES if piece in vocab)
@@ -83,12 +55,17 @@ class ModelBackend:
             raise ValueError(f"model {self.name!r} has no end-of-sequence token")
         return sorted(ids)
 
+    @abstractmethod
+    def start(self, prompts: list[list[int]], keep_hidden: bool = False, scored: list[list[bool]] | None = None) -> TokenTree:
+        """Encode prompts (token ids) into a new batch (`scored`: and the NLL of the marked tokens of each prompt,
+        into each row's `prompt_nll`, NaN for the others)."""
+
     # ------------------------------------------------------------------ text <-> tokens
     def render(self, prompt: str | list[Message]) -> str:
         """Prompt text for this model: the string itself, or chat messages through its chat template."""
         if isinstance(prompt, str):
             return prompt
-        return render_chat(self.tokenizer, self.model.config.model_type, prompt)
+        return render_chat(self.tokenizer, self.model_type, prompt)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a prompt with this tokenizer's usual special tokens (BOS where it adds one)."""
@@ -132,10 +109,69 @@ class ModelBackend:
             cut = self.decode(ids[:keep])
         return cut
 
+    def end_logprob(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """Log-probability of ending the sequence here, over all of this model's end tokens."""
+        return torch.logsumexp(logprobs[self.end_ids], dim=-1)
+
+    def reset_counters(self) -> dict[str, int]:
+        """Return the counters so far and zero them."""
+        counts = dict(self.counters)
+        self.counters.update(dict.fromkeys(self.counters, 0))
+        return counts
+
+    def close(self) -> None:
+        """Release what the backend holds outside this process (connections); nothing for an in-process model."""
+
+
+class ModelBackend(Backend):
+    """A causal LM prepared for word-level fusion.
+
+    Per-request state lives in the `TreeBatch` that `start()` returns (the KV cache and scratch tree of a
+    batch of prompts); the backend keeps only the KV of the last prompt, reused by prompts that begin the same
+    way. One backend serves many requests, one at a time.
+
+    With `cpu_kernels=True` a CPU model gets faster kernels (`adafuse.kernels`: oneDNN-packed linear layers,
+    copy-free grouped-query attention, a malloc that keeps freed memory), which change the model object and treat
+    its weights as frozen; so a model you pass in is left as it is unless you ask. `from_pretrained`, which loads
+    a model of its own, asks by default.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        name: str | None = None,
+        *,
+        reuse_prompt_prefix: bool = True,
+        cpu_kernels: bool = False,
+    ):
+        self.model = model.eval()
+        tuning = prepare_for_cpu(self.model) if cpu_kernels else None
+        super().__init__(tokenizer, name or getattr(model.config, "_name_or_path", None) or model.config.model_type,
+                         model.config.model_type, model.get_output_embeddings().weight.shape[0],
+                         context_window_of(model.config), model.generation_config, model.device)
+        self.prefix_cache = PromptPrefixCache() if reuse_prompt_prefix else None
+        self.runner = ModelRunner(self.model, self.counters, tuning, OutputHead.of(self.model))
+        self.hidden_size = _text_config(model.config).hidden_size
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        *,
+        device_map: str | dict | None = None,
+        dtype: str | torch.dtype | None = None,
+        reuse_prompt_prefix: bool = True,
+        cpu_kernels: bool = True,
+        **kwargs: Any,
+    ) -> "ModelBackend":
+        """Load an embedded default model name, a Hugging Face id or a local folder."""
+        model, tokenizer = load_model(name_or_path, device_map=device_map, dtype=dtype, **kwargs)
+        return cls(model, tokenizer, name=name_or_path, reuse_prompt_prefix=reuse_prompt_prefix, cpu_kernels=cpu_kernels)
+
     # ------------------------------------------------------------------ requests
     def start(self, prompts: list[list[int]], keep_hidden: bool = False, scored: list[list[bool]] | None = None) -> TreeBatch:
-        """Encode prompts into a fresh KV cache, reusing cached prompts' prefixes (`scored`: and compute the NLL of
-        the marked tokens of each prompt, into each row's `prompt_nll`, NaN for the others).
+        """Into a fresh KV cache, reusing cached prompts' prefixes.
 
         Prompts that share a long prefix with an earlier prompt of the same batch (several questions on one
         context) are encoded in a second forward, after that prompt, so they reuse its KV instead of recomputing it.
@@ -154,22 +190,13 @@ class ModelBackend:
     def _encode_rows(self, prompts: list[list[int]], keep_hidden: bool, scored: list[list[bool]] | None) -> TreeBatch:
         return prefill(self.runner, prompts, self.pad_token_id, self.prefix_cache, keep_hidden, scored)
 
-    def end_logprob(self, logprobs: torch.Tensor) -> torch.Tensor:
-        """Log-probability of ending the sequence here, over all of this model's end tokens."""
-        return torch.logsumexp(logprobs[self.end_ids], dim=-1)
-
-    def reset_counters(self) -> dict[str, int]:
-        """Return the counters so far and zero them."""
-        counts = dict(self.counters)
-        self.counters.update(forward_passes=0, tokens=0)
-        return counts
-
 
 def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def _context_window(config) -> int:
+def context_window_of(config) -> int:
+    """The longest sequence a model of this config reads (2048 where the config does not say)."""
     text_config = _text_config(config)
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(text_config, name, None)

@@ -18,11 +18,12 @@ from urllib.parse import urlparse
 
 import torch
 from huggingface_hub import constants as hub_constants
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_MODELS", "ModelLoadError", "cache_dir", "load_model", "prepare_default_models", "resolve_model"]
+__all__ = ["DEFAULT_MODELS", "ModelLoadError", "cache_dir", "load_model", "load_tokenizer", "prepare_default_models", "resolve_model"]
 
 # Environment variables that switch huggingface_hub to offline mode (read at its import; looked up again here).
 _OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
@@ -204,17 +205,45 @@ def load_model(
     **model_kwargs: Any,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from an embedded name, a Hugging Face id or a local folder."""
-    location = os.path.expanduser(resolve_model(name_or_path))
-    _check_local_path(name_or_path, location)
-    folder = os.path.isdir(location)
-    unreachable = None if folder else _hub_unreachable()
-    local_only = folder or unreachable is not None
-    try:
+    location, local_only, unreachable = _locate(name_or_path)
+    with _load_errors(name_or_path, location, unreachable):
         tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=local_only)
         network = AutoModelForCausalLM.from_pretrained(
             location, device_map=device_map, dtype=dtype or "auto", local_files_only=local_only, **model_kwargs
         )
-    except Exception as error:  # every loader failure becomes one error that names the model
+    network.eval()
+    return network, tokenizer
+
+
+def load_tokenizer(name_or_path: str) -> tuple[PreTrainedTokenizerBase, PretrainedConfig, GenerationConfig | None]:
+    """The tokenizer, config and generation config of a model (embedded name, Hugging Face id or folder), without
+    its weights: what a client of a served copy of the model needs."""
+    location, local_only, unreachable = _locate(name_or_path)
+    with _load_errors(name_or_path, location, unreachable):
+        tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=local_only)
+        config = AutoConfig.from_pretrained(location, local_files_only=local_only)
+    try:
+        generation = GenerationConfig.from_pretrained(location, local_files_only=local_only)
+    except OSError:  # a model without generation_config.json: its end token comes from the tokenizer
+        generation = None
+    return tokenizer, config, generation
+
+
+def _locate(name_or_path: str) -> tuple[str, bool, str | None]:
+    """Where to load a model from, whether only local files may be read, and why the hub cannot be asked (if so)."""
+    location = os.path.expanduser(resolve_model(name_or_path))
+    _check_local_path(name_or_path, location)
+    folder = os.path.isdir(location)
+    unreachable = None if folder else _hub_unreachable()
+    return location, folder or unreachable is not None, unreachable
+
+
+@contextmanager
+def _load_errors(name_or_path: str, location: str, unreachable: str | None) -> Iterator[None]:
+    """Turn every loader failure into one `ModelLoadError` that names the model."""
+    try:
+        yield
+    except Exception as error:
         if name_or_path in DEFAULT_MODELS:
             raise ModelLoadError(
                 f"the cached conversion of {name_or_path!r} at {location} cannot be loaded ({error.__class__.__name__}: "
@@ -227,8 +256,6 @@ def load_model(
             f"could not load model {name_or_path!r}{where}: {error.__class__.__name__}: {str(error).splitlines()[0]} "
             f"(embedded models: {known}; otherwise give a Hugging Face id or a local folder)"
         ) from error
-    network.eval()
-    return network, tokenizer
 
 
 def _check_local_path(name: str, location: str) -> None:

@@ -37,7 +37,8 @@ class DecodingStats:
     """Work done for one generation call.
 
     `forward_passes` and `tokens_processed` cover the whole batch the prompt ran in; `row_forward_passes` counts
-    the forward passes this prompt took part in, per model: what it would have needed decoded alone.
+    the forward passes this prompt took part in, per model: what it would have needed decoded alone. For a served
+    model a forward pass is one step of concurrent requests, and `requests` counts the HTTP requests.
     """
 
     rounds: int = 0
@@ -47,6 +48,7 @@ class DecodingStats:
     forward_passes: dict[str, int] = field(default_factory=dict)
     row_forward_passes: dict[str, int] = field(default_factory=dict)
     tokens_processed: dict[str, int] = field(default_factory=dict)
+    requests: dict[str, int] = field(default_factory=dict)  # served models only
     batch_size: int = 1
     wall_time_s: float = 0.0
     model_weights: dict[str, float] = field(default_factory=dict)  # each model's weight in this prompt's fused scores

@@ -10,12 +10,13 @@ from typing import Any
 
 import torch
 
-from ..backend import ModelBackend
+from ..backend import Backend
+from ..loading import load_backend
 from ..config import DecodingMode, FusionConfig
 from ..models import DEFAULT_ENSEMBLE
 from ..prompts import Prompt, normalize_prompt, normalize_prompts
 from ..result import GenerationResult
-from ..runtime import TreeBatch
+from ..runtime import TokenTree
 from ..runtime.scheduler import RowTask, Scheduler
 from ..sampling.adaptive import sample_adaptively, sampling_policies
 from ..sampling.policies import PolicyCache
@@ -36,7 +37,7 @@ class AdaFuse:
     under its own tokenizer; the candidate with the lowest weighted mean NLL extends the shared text.
     """
 
-    def __init__(self, backends: Sequence[ModelBackend], config: FusionConfig | None = None):
+    def __init__(self, backends: Sequence[Backend], config: FusionConfig | None = None):
         if not backends:
             raise ValueError("AdaFuse needs at least one model")
         self.backends = list(backends)
@@ -55,14 +56,30 @@ class AdaFuse:
         reuse_prompt_prefix: bool = True,
         **config_overrides: Any,
     ) -> "AdaFuse":
-        """Load models by embedded name, Hugging Face id or local folder (defaults: the embedded pair)."""
+        """Load models by embedded name, Hugging Face id or local folder (defaults: the embedded pair), or connect to
+        served ones (`vllm:http://host:8000/v1#served-name`)."""
         if isinstance(models, str):
             models = [models]
-        backends = [
-            ModelBackend.from_pretrained(m, device_map=device_map, dtype=dtype, reuse_prompt_prefix=reuse_prompt_prefix)
-            for m in models
-        ]
-        return cls(backends, (config or FusionConfig()).update(**config_overrides))
+        backends: list[Backend] = []
+        try:
+            for spec in models:
+                backends.append(load_backend(spec, device_map=device_map, dtype=dtype, reuse_prompt_prefix=reuse_prompt_prefix))
+            return cls(backends, (config or FusionConfig()).update(**config_overrides))
+        except BaseException:
+            for backend in backends:
+                backend.close()
+            raise
+
+    def close(self) -> None:
+        """Close the connections of served models (in-process models need nothing)."""
+        for backend in self.backends:
+            backend.close()
+
+    def __enter__(self) -> "AdaFuse":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def model_names(self) -> list[str]:
@@ -126,6 +143,11 @@ class AdaFuse:
             if getattr(config, name) > vocab:
                 raise ValueError(f"invalid {name}={getattr(config, name)}: above the smallest vocabulary of these "
                                  f"models ({vocab} tokens)")
+        used = "token_top_k" if config.decoding_mode() is DecodingMode.TOKEN_FUSION else "num_branches"
+        for backend in self.backends:
+            if backend.max_top_k is not None and getattr(config, used) > backend.max_top_k:
+                raise ValueError(f"invalid {used}={getattr(config, used)}: model {backend.name!r} reports only its "
+                                 f"top {backend.max_top_k} next tokens (raise the server's max logprobs)")
         gate_session(self._policies, config, self.backends)
         sampling_policies(self._policies, config, self.backends)
         return config
@@ -146,11 +168,11 @@ class AdaFuse:
             rows = [RowState(trace=[] if trace else None) for _ in prompts]
             scheduler = Scheduler(len(prompts), max_batch_size)
             context = RoundContext(self.backends, scheduler, config, gate,
-                                   torch.Generator(device=self.backends[0].model.device).manual_seed(config.seed))
+                                   torch.Generator(device=self.backends[0].device).manual_seed(config.seed))
             prior = torch.tensor(config.model_weights or [1.0] * len(self.backends))
             prior = prior / prior.sum()
 
-            def admit(joining: list[int]) -> list[TreeBatch]:
+            def admit(joining: list[int]) -> list[TokenTree]:
                 return self._admit(joining, prompts, encoded, rows, config, keep_hidden=gate is not None)
 
             def start(r: int) -> RowTask:
@@ -165,7 +187,7 @@ class AdaFuse:
             yield from self._finish(rows, scheduler, time.perf_counter() - started, gate)
 
     def _admit(self, joining: list[int], prompts: list[Prompt], encoded: list[list[list[int]]], rows: list[RowState],
-               config: FusionConfig, keep_hidden: bool) -> list[TreeBatch]:
+               config: FusionConfig, keep_hidden: bool) -> list[TokenTree]:
         """Prefill the joining prompts for every model (scoring the prompt tokens that competence reads)."""
         scored: list[list[list[bool]] | None] = [None] * len(self.backends)
         if config.scoring == "competence" and len(self.backends) > 1:
@@ -185,6 +207,7 @@ class AdaFuse:
             state.stats.new_tokens = state.new_tokens
             state.stats.forward_passes = {b.name: c["forward_passes"] for b, c in zip(self.backends, counters)}
             state.stats.tokens_processed = {b.name: c["tokens"] for b, c in zip(self.backends, counters)}
+            state.stats.requests = {b.name: c["requests"] for b, c in zip(self.backends, counters) if "requests" in c}
             state.stats.row_forward_passes = dict(zip(self.model_names, scheduler.row_forwards.get(r, [])))
             if gate is not None and gate.sample:
                 gate.decisions[r] = state.gate_decisions
@@ -207,7 +230,7 @@ class AdaFuse:
         return [self._encode_for(backend, prompts, config) for backend in self.backends]
 
     @staticmethod
-    def _encode_for(backend: ModelBackend, prompts: list[Prompt], config: FusionConfig) -> list[list[int]]:
+    def _encode_for(backend: Backend, prompts: list[Prompt], config: FusionConfig) -> list[list[int]]:
         """One model's token ids of each (normalised) prompt; a too long prompt raises, naming the model."""
         encoded = []
         for prompt in prompts:

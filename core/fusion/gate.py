@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..backend import ModelBackend
+from ..backend import Backend
 from ..config import DecodingMode, FusionConfig
 from ..sampling.policies import DecodingPolicy, PolicyCache, mlp, next_token_features
 
@@ -89,10 +89,13 @@ class GateSession:
         return [a == COMMIT for a in actions], decisions
 
 
-def gate_session(policies: PolicyCache, config: FusionConfig, backends: list[ModelBackend]) -> GateSession | None:
+def gate_session(policies: PolicyCache, config: FusionConfig, backends: list[Backend]) -> GateSession | None:
     """A session of the learned gate named by `config.fusion_gate` (loaded once), checked against `backends`."""
     if config.fusion_gate is None or config.decoding_mode() is not DecodingMode.WORD_FUSION:
         return None
+    blind = [b.name for b in backends if b.hidden_size is None]
+    if blind:
+        raise ValueError(f"the fusion gate reads hidden states, which model(s) {blind} cannot return (served remotely)")
     gate = policies.get(FusionGate, config.fusion_gate)
     sizes = [b.hidden_size for b in backends]
     if gate.hidden_sizes != sizes:

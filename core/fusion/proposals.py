@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backend import ModelBackend
+from ..backend import Backend
 from ..config import FusionConfig
 from ..sampling.filters import filtered_probs
 from .gate import GateDecision, GateSession
@@ -58,7 +58,7 @@ Requests = list[tuple[int, int]]
 
 
 def propose_row(
-    backend: ModelBackend,
+    backend: Backend,
     root_logprobs: torch.Tensor,
     root_hidden: torch.Tensor | None,
     config: FusionConfig,
@@ -135,7 +135,7 @@ def _confident(gate: GateSession | None, model_index: int, config: FusionConfig,
     return sure
 
 
-def _advance(branch: _Branch, token: int, backend: ModelBackend, config: FusionConfig, budget: int, end_ids: set[int]) -> bool:
+def _advance(branch: _Branch, token: int, backend: Backend, config: FusionConfig, budget: int, end_ids: set[int]) -> bool:
     """Extend a branch by its greedy next token or finish it at a word boundary / end token / budget.
 
     Returns True when the token opens a new word the span goes on with (the caller appends it once the

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backend import ModelBackend
+from ..backend import Backend
 from ..config import DecodingMode, FusionConfig
 from ..result import CandidateTrace, RoundTrace
 from ..runtime.scheduler import Fed, Needs, RowTask, Scheduler
@@ -31,7 +31,7 @@ Scores = tuple[list[list[float]], list[float]]  # per candidate: each model's NL
 class RoundContext:
     """What every row's rounds share within one decoding call."""
 
-    backends: list[ModelBackend]
+    backends: list[Backend]
     scheduler: Scheduler
     config: FusionConfig
     gate: GateSession | None
@@ -170,7 +170,7 @@ def _score(context: RoundContext, r: int, pool: list[Candidate], paths: list[lis
     return nll, [float(torch.tensor(n) @ weights) for n in nll]
 
 
-def _record_round(state: RowState, backends: list[ModelBackend], proposals: list[RowProposals] | None,
+def _record_round(state: RowState, backends: list[Backend], proposals: list[RowProposals] | None,
                   pool: list[Candidate], scores: Scores, chosen: Candidate) -> None:
     state.stats.rounds += 1
     for proposal in proposals or []:

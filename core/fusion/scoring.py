@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..backend import ModelBackend
+from ..backend import Backend
 from ..prompts import Prompt
-from ..runtime import TreeBatch
+from ..runtime import TokenTree
 from .state import CompetenceMarks
 
 __all__ = ["competence_marks", "competence_weights", "demonstration_spans", "nats_per_char", "row_weights", "scored_tokens",
@@ -66,7 +66,7 @@ def competence_weights(prior: torch.Tensor, nats: Sequence[float], sharpness: fl
     return weights / weights.sum()
 
 
-def span_nll(backend: ModelBackend, batch: TreeBatch, row: int, tokens: list[int], text: str, ends: bool,
+def span_nll(backend: Backend, batch: TokenTree, row: int, tokens: list[int], text: str, ends: bool,
              normalization: str) -> float:
     """A candidate's NLL under one model, per token (the paper), per character (the same unit for every tokenizer)
     or in total (the joint probability of the span); the end token counts as one of each."""
@@ -75,7 +75,7 @@ def span_nll(backend: ModelBackend, batch: TreeBatch, row: int, tokens: list[int
     return total / max(per, 1)
 
 
-def total_nll(backend: ModelBackend, batch: TreeBatch, row: int, tokens: list[int], ends: bool) -> float:
+def total_nll(backend: Backend, batch: TokenTree, row: int, tokens: list[int], ends: bool) -> float:
     """NLL of a span (plus the end token when it ends) under this model, given the row's prefix; the span's tokens
     must be in the row's scratch tree."""
     nodes = batch.path_nodes(row, tokens)
@@ -86,7 +86,7 @@ def total_nll(backend: ModelBackend, batch: TreeBatch, row: int, tokens: list[in
     return -total
 
 
-def competence_marks(backends: Sequence[ModelBackend], prompt: Prompt) -> CompetenceMarks:
+def competence_marks(backends: Sequence[Backend], prompt: Prompt) -> CompetenceMarks:
     """Per model, which of the prompt's tokens measure competence (so the prefill scores only those) and their
     character offsets."""
     marks = []
@@ -97,7 +97,7 @@ def competence_marks(backends: Sequence[ModelBackend], prompt: Prompt) -> Compet
     return marks
 
 
-def row_weights(prior: torch.Tensor, batches: Sequence[TreeBatch], position: int,
+def row_weights(prior: torch.Tensor, batches: Sequence[TokenTree], position: int,
                 marks: CompetenceMarks | None, sharpness: float) -> torch.Tensor:
     """The weights of one prompt's fused scores: the prior, scaled by each model's competence on the prompt (the
     prior itself when competence is not scored)."""

@@ -2,7 +2,7 @@
 to hand out while a stop sequence could still be forming."""
 from __future__ import annotations
 
-from ..backend import ModelBackend
+from ..backend import Backend
 from ..config import FusionConfig
 from .candidates import Candidate
 from .state import RowState
@@ -10,7 +10,7 @@ from .state import RowState
 __all__ = ["append_span"]
 
 
-def append_span(state: RowState, chosen: Candidate, config: FusionConfig, counter: ModelBackend) -> str:
+def append_span(state: RowState, chosen: Candidate, config: FusionConfig, counter: Backend) -> str:
     """Add the chosen span to the row's text, apply stop conditions (the budget in tokens of `counter`, the first
     model), and return the text now safe to emit."""
     before = len(state.text)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import ModelBackend
+from ..backend import Backend
 from ..config import FusionConfig
-from ..runtime import TreeBatch
+from ..runtime import TokenTree
 from .candidates import Candidate, CandidatePool
 
 __all__ = ["token_candidates", "token_scores"]
 
 
-def token_candidates(backends: list[ModelBackend], batches: list[TreeBatch], position: int, config: FusionConfig) -> list[Candidate]:
+def token_candidates(backends: list[Backend], batches: list[TokenTree], position: int, config: FusionConfig) -> list[Candidate]:
     """Every model's top-k next tokens for one row, pooled by their text."""
     pool = CandidatePool()
     for backend, batch in zip(backends, batches):
@@ -22,7 +22,7 @@ def token_candidates(backends: list[ModelBackend], batches: list[TreeBatch], pos
     return pool.candidates()
 
 
-def token_scores(backends: list[ModelBackend], batches: list[TreeBatch], position: int, pool: list[Candidate],
+def token_scores(backends: list[Backend], batches: list[TokenTree], position: int, pool: list[Candidate],
                  weights: torch.Tensor) -> tuple[list[list[float]], list[float]]:
     """Each model's log-probability of each pooled token text (mapped through its own tokenizer's first token), and
     the fused score: minus the log of the weighted mean probability."""

@@ -2,7 +2,8 @@
 from .model_runner import ForwardTiming, ForwardTuning, ModelRunner, OutputHead
 from .prefill import prefill
 from .prefix_cache import CachedPrompt, PromptPrefixCache
-from .tree_batch import Node, TreeBatch
+from .token_tree import Node, Row, TokenTree
+from .tree_batch import TreeBatch
 
 __all__ = ["CachedPrompt", "ForwardTiming", "ForwardTuning", "ModelRunner", "Node", "OutputHead", "PromptPrefixCache",
-           "TreeBatch", "prefill"]
+           "Row", "TokenTree", "TreeBatch", "prefill"]

@@ -13,7 +13,8 @@ from transformers import DynamicCache
 from .kv_layer import GrowingLayer, room_to_grow
 from .model_runner import ModelRunner
 from .prefix_cache import CachedPrompt, PromptPrefixCache
-from .tree_batch import Row, TreeBatch
+from .token_tree import Row
+from .tree_batch import TreeBatch
 
 __all__ = ["prefill"]
 

@@ -10,46 +10,17 @@ copy per commit.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from transformers import DynamicCache
 
 from .model_runner import ModelRunner
+from .token_tree import Row, TokenTree
 
-__all__ = ["Node", "Row", "TreeBatch"]
-
-
-@dataclass
-class Node:
-    """One scratch token: `parent` is a node index or -1 for the committed prefix."""
-
-    token: int
-    parent: int
-    column: int
-    depth: int
-    ancestor_columns: list[int]
+__all__ = ["TreeBatch"]
 
 
-@dataclass
-class Row:
-    """One sequence of the batch: its committed token ids and its scratch tree."""
-
-    ids: list[int]
-    forwards: int = 0  # forward passes this row fed tokens to
-    nodes: list[Node] = field(default_factory=list)
-    children: dict[tuple[int, int], int] = field(default_factory=dict)
-    node_logprobs: list[torch.Tensor] = field(default_factory=list)
-    node_hidden: list[torch.Tensor] = field(default_factory=list)
-    prompt_nll: list[float] | None = None  # each prompt token's NLL, when the batch was asked for them
-
-
-class TreeBatch:
-    """KV cache and scratch trees of one model over a batch of rows.
-
-    `root_logprobs[r]` is the next-token log-distribution after row r's committed prefix; `logprobs(r, i)`
-    the one after scratch node i.
-    """
+class TreeBatch(TokenTree):
+    """KV cache and scratch trees of one in-process model over a batch of rows."""
 
     def __init__(self, runner: ModelRunner, cache: DynamicCache, rows: list[Row], root_logprobs: list[torch.Tensor],
                  root_hidden: list[torch.Tensor], column_positions: torch.Tensor, committed: torch.Tensor,
@@ -64,7 +35,6 @@ class TreeBatch:
 
     @torch.inference_mode()
     def feed(self, requests: list[list[tuple[int, int]]]) -> list[list[int]]:
-        """Run new scratch tokens `(token, parent_node)` for each row in one forward; return their node ids."""
         batch, existing = len(self.rows), self.committed.shape[1]
         width = self.runner.step_width(batch, max(len(r) for r in requests))
         input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
@@ -78,14 +48,13 @@ class TreeBatch:
             row.forwards += bool(request)
             for k, (token, parent) in enumerate(request):
                 column = existing + k
+                node = row.add_node(token, parent)
                 ancestors = (row.nodes[parent].ancestor_columns if parent >= 0 else []) + [column]
-                depth = row.nodes[parent].depth + 1 if parent >= 0 else 1
-                row.nodes.append(Node(token, parent, column, depth, ancestors))
-                row.children[(parent, token)] = len(row.nodes) - 1
-                created[r].append(len(row.nodes) - 1)
+                row.nodes[node].column, row.nodes[node].ancestor_columns = column, ancestors
+                created[r].append(node)
                 input_ids[r, k] = token
                 wanted[r, k] = True
-                positions[r, k] = len(row.ids) + depth - 1
+                positions[r, k] = len(row.ids) + row.nodes[node].depth - 1
                 allowed[r, k, ancestors] = True
             for k in range(len(request), width):
                 allowed[r, k, existing + k] = True  # padding attends to itself only
@@ -104,57 +73,10 @@ class TreeBatch:
         self.runner.counters["tokens"] += sum(len(r) for r in requests)
         return created
 
-    # ------------------------------------------------------------------ tree queries
-    def logprobs(self, row: int, node: int) -> torch.Tensor:
-        return self.root_logprobs[row] if node < 0 else self.rows[row].node_logprobs[node]
-
-    def find_path(self, row: int, tokens: list[int]) -> tuple[list[int], int]:
-        """Nodes already in row's tree along `tokens`; returns (nodes found, index of first missing token)."""
-        found, parent = [], -1
-        children = self.rows[row].children
-        for token in tokens:
-            child = children.get((parent, token))
-            if child is None:
-                break
-            found.append(child)
-            parent = child
-        return found, len(found)
-
-    def ensure_paths(self, paths: list[list[list[int]]]) -> None:
-        """Feed, in one forward, whatever tokens of each row's token paths are not yet in its tree."""
-        requests = [self.missing(r, row_paths) for r, row_paths in enumerate(paths)]
-        if any(requests):
-            self.feed(requests)
-
-    def missing(self, row: int, paths: list[list[int]]) -> list[tuple[int, int]]:
-        """The `(token, parent)` requests that put every token path in the row's tree (shared prefixes once),
-        numbered as `feed` will number them."""
-        first_new = len(self.rows[row].nodes)  # node index the first token fed now will get
-        planned: dict[tuple[int, ...], int] = {}
-        request: list[tuple[int, int]] = []
-        for tokens in paths:
-            found, start = self.find_path(row, tokens)
-            parent = found[-1] if found else -1
-            for i in range(start, len(tokens)):
-                key = tuple(tokens[: i + 1])
-                if key not in planned:
-                    planned[key] = first_new + len(request)
-                    request.append((tokens[i], parent))
-                parent = planned[key]
-        return request
-
-    def path_nodes(self, row: int, tokens: list[int]) -> list[int]:
-        found, complete = self.find_path(row, tokens)
-        if complete != len(tokens):
-            raise RuntimeError("scratch tree lacks this token path; ensure_paths must run first")
-        return found
-
     # ------------------------------------------------------------------ commit
     @torch.inference_mode()
     def commit_row(self, row: int, span: list[int]) -> None:
-        """Append a span whose tokens are in the row's tree to its committed prefix, and discard its tree.
-
-        No cache copy: the span's columns join the row's committed mask and the rest of its tree is masked off;
+        """No cache copy: the span's columns join the row's committed mask and the rest of its tree is masked off;
         `compact` reclaims the dead columns when they pile up.
         """
         nodes = self.path_nodes(row, span)
@@ -167,14 +89,6 @@ class TreeBatch:
                 self.root_hidden[row] = state.node_hidden[nodes[-1]]
         state.ids.extend(span)
         state.nodes, state.children, state.node_logprobs, state.node_hidden = [], {}, [], []
-
-    def commit(self, spans: list[list[int] | None]) -> None:
-        """Commit each row's span (None drops the row); tokens not yet in a row's tree are run first."""
-        self.ensure_paths([[span] if span else [] for span in spans])
-        for r, span in enumerate(spans):
-            if span is not None:
-                self.commit_row(r, span)
-        self.compact([r for r, span in enumerate(spans) if span is not None])
 
     def live_columns(self) -> int:
         """Columns the busiest row uses: its committed prefix plus its tree."""

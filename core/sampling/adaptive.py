@@ -156,6 +156,9 @@ def sampling_policies(policies: PolicyCache, config: FusionConfig, backends: lis
     if backend is None:
         raise ValueError(f"the decoding adapter was trained for model {bases[0]!r}, which is not one of "
                          f"{[b.name for b in backends]}")
+    if not isinstance(backend, ModelBackend):
+        raise ValueError(f"decoding adapters read hidden states, which model {backend.name!r} cannot return (served "
+                         "remotely); load it in process")
     sizes = ([token.hidden_size] if token else []) + ([sequence.embed_dim] if sequence else [])
     if any(size != backend.hidden_size for size in sizes):
         raise ValueError(f"the decoding adapter's input size {sizes} does not match model {backend.name!r} "
