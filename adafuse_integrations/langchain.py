@@ -37,7 +37,8 @@ class AdaFuseLLM(BaseLLM, DecodingParameters):
     """
 
     models: list[str] = Field(default_factory=lambda: list(DEFAULT_ENSEMBLE))
-    """Embedded model names, Hugging Face ids or local folders (ignored when `engine` is given)."""
+    """Embedded model names, Hugging Face ids, local folders or served models (`vllm:http://host:8000/v1#name`);
+    ignored when `engine` is given."""
     engine: AdaFuse | None = Field(default=None, exclude=True)
     """An already-built engine to reuse (shares loaded weights between wrappers)."""
     device_map: Any = None

@@ -33,7 +33,7 @@ class AdaFuseLLM(CustomLLM, DecodingParameters):
             Settings.llm = AdaFuseLLM(max_new_tokens=64)  # models=[...] for others than the embedded defaults
     """
 
-    models: list[str] = Field(default_factory=lambda: list(DEFAULT_ENSEMBLE), description="model names, ids or folders")
+    models: list[str] = Field(default_factory=lambda: list(DEFAULT_ENSEMBLE), description="model names, ids, folders or served models (vllm:URL#name)")
     device_map: Any = Field(default=None, description="accelerate device map, e.g. 'cuda'")
     dtype: Any = Field(default=None, description="torch dtype, e.g. 'bfloat16'")
     stop: list[str] | None = Field(default=None, description="stop sequences")
