@@ -4,6 +4,7 @@ from ._threads import bound_openmp_spinning
 bound_openmp_spinning()
 
 from .backend import Backend, ModelBackend
+from .chat import Chat
 from .config import DecodingMode, FusionConfig, SamplingFilter
 from .fusion import AdaFuse, FusionGate
 from .models import DEFAULT_MODELS, ModelLoadError, load_model, prepare_default_models
@@ -16,6 +17,7 @@ __all__ = [
     "Backend",
     "BackendError",
     "CandidateTrace",
+    "Chat",
     "DEFAULT_MODELS",
     "DecodingMode",
     "DecodingStats",

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from .chat import Message, render_chat
+from .chat import Chat, Message, render_chat
 from .kernels import prepare_for_cpu
 from .models import load_model
 from .runtime import ModelRunner, OutputHead, PromptPrefixCache, TokenTree, TreeBatch, prefill
@@ -61,10 +61,12 @@ class Backend(ABC):
         into each row's `prompt_nll`, NaN for the others)."""
 
     # ------------------------------------------------------------------ text <-> tokens
-    def render(self, prompt: str | list[Message]) -> str:
-        """Prompt text for this model: the string itself, or chat messages through its chat template."""
+    def render(self, prompt: str | list[Message] | Chat) -> str:
+        """Prompt text for this model: the string itself, or chat messages (and tools) through its chat template."""
         if isinstance(prompt, str):
             return prompt
+        if isinstance(prompt, Chat):
+            return render_chat(self.tokenizer, self.model_type, prompt.messages, prompt.tools) + prompt.response_prefix
         return render_chat(self.tokenizer, self.model_type, prompt)
 
     def encode_prompt(self, text: str) -> list[int]:

@@ -1,11 +1,14 @@
-"""What a prompt may be, checked in one place before any model work: a string or a chat conversation."""
+"""What a prompt may be, checked in one place before any model work: a string, chat messages, or a `Chat` (messages
+with tools and a forced start of the reply)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from .chat import Message
+from .chat import Chat, Message, normalize_tool_calls
+from .tools import check_tools
 
-Prompt = str | list[Message]
+Prompt = str | list[Message] | Chat
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -15,7 +18,7 @@ def normalize_prompts(prompt: Any) -> tuple[list[Prompt], bool]:
 
     A string, a chat message dict or a list of messages is one prompt; any other list is a batch of prompts.
     """
-    if isinstance(prompt, (str, dict)) or _looks_like_messages(prompt):
+    if isinstance(prompt, (str, dict, Chat)) or _looks_like_messages(prompt):
         return [normalize_prompt(prompt)], True
     if isinstance(prompt, (list, tuple)):
         if not prompt:
@@ -25,8 +28,17 @@ def normalize_prompts(prompt: Any) -> tuple[list[Prompt], bool]:
 
 
 def normalize_prompt(prompt: Any, index: int | None = None) -> Prompt:
-    """`prompt` as a non-empty string or a list of {'role', 'content'} messages with string content."""
+    """`prompt` as a non-empty string, a list of {'role', 'content'} messages with string content, or a `Chat` of
+    such messages and checked tools."""
     where = "prompt" if index is None else f"prompt {index}"
+    if isinstance(prompt, Chat):
+        if not isinstance(prompt.response_prefix, str):
+            raise TypeError(f"{where}: response_prefix must be a string")
+        tools = check_tools(prompt.tools) if prompt.tools is not None else None
+        messages = normalize_prompt(prompt.messages, index)
+        if isinstance(messages, str):
+            raise TypeError(f"{where}: a Chat holds a list of messages, not a string")
+        return dataclasses.replace(prompt, messages=messages, tools=tools)
     if isinstance(prompt, str):
         _check_text(prompt, where)
         if not prompt.strip():
@@ -47,6 +59,9 @@ def _normalize_message(message: dict, where: str) -> Message:
     role, content = message.get("role"), message.get("content")
     if role not in ROLES:
         raise ValueError(f"{where}: role must be one of {list(ROLES)}, got {role!r}")
+    if role == "assistant" and message.get("tool_calls"):
+        message = {**message, "tool_calls": normalize_tool_calls(message["tool_calls"], where)}
+        content = content or ""
     if isinstance(content, (list, tuple)):
         content = "".join(_text_part(part, where) for part in content)
     if not isinstance(content, str):

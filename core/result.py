@@ -44,7 +44,8 @@ class DecodingStats:
     rounds: int = 0
     words_per_round: list[int] = field(default_factory=list)
     explorations: int = 0
-    new_tokens: int = 0
+    new_tokens: int = 0  # of the answer, in the first model's tokens
+    prompt_tokens: dict[str, int] = field(default_factory=dict)  # the rendered prompt's length for each model
     forward_passes: dict[str, int] = field(default_factory=dict)
     row_forward_passes: dict[str, int] = field(default_factory=dict)
     tokens_processed: dict[str, int] = field(default_factory=dict)

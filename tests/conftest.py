@@ -44,18 +44,18 @@ def _metaspace_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", bos_token="<bos>", pad_token="<pad>", unk_token="<unk>")
 
 
-def _llama(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
+def _llama(tokenizer: PreTrainedTokenizerFast, seed: int, positions: int = 256) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     return LlamaForCausalLM(config).eval()
 
 
-def _gemma(tokenizer: PreTrainedTokenizerFast, seed: int) -> Gemma3ForCausalLM:
+def _gemma(tokenizer: PreTrainedTokenizerFast, seed: int, positions: int = 512) -> Gemma3ForCausalLM:
     torch.manual_seed(seed)
     config = Gemma3TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                              num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+                              num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=positions,
                               sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                               bos_token_id=tokenizer.bos_token_id)

@@ -166,6 +166,8 @@ class AdaFuse:
                 backend.reset_counters()
             encoded = self._encode(prompts, config)
             rows = [RowState(trace=[] if trace else None) for _ in prompts]
+            for r, state in enumerate(rows):
+                state.stats.prompt_tokens = {b.name: len(ids[r]) for b, ids in zip(self.backends, encoded)}
             scheduler = Scheduler(len(prompts), max_batch_size)
             context = RoundContext(self.backends, scheduler, config, gate,
                                    torch.Generator(device=self.backends[0].device).manual_seed(config.seed))
@@ -220,9 +222,12 @@ class AdaFuse:
         """Adaptive sampling (arXiv 2603.09065) with the model the configured adapters were trained for."""
         backend, token, sequence = sampling_policies(self._policies, config, self.backends)
         with self._lock:
-            self._encode_for(backend, prompts, config)
+            encoded = self._encode_for(backend, prompts, config)
             texts = [backend.render(p) for p in prompts]
             events = list(sample_adaptively(backend, token, sequence, texts, config, max_batch_size))
+        for r, event in events:
+            if isinstance(event, GenerationResult):
+                event.stats.prompt_tokens = {backend.name: len(encoded[r])}
         yield from events
 
     def _encode(self, prompts: list[Prompt], config: FusionConfig) -> list[list[list[int]]]:

@@ -24,6 +24,7 @@ def append_span(state: RowState, chosen: Candidate, config: FusionConfig, counte
     hits = [i for i in (state.text.find(s, search_from) for s in config.stop) if i >= 0]
     if hits:
         state.text, state.finish_reason = state.text[: min(hits)], "stop"
+        state.new_tokens = len(counter.encode_piece(state.text))
     elif chosen.ends:
         state.finish_reason = "eos"
     elif state.new_tokens >= config.max_new_tokens or (config.max_rounds and state.stats.rounds >= config.max_rounds):

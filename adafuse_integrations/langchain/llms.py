@@ -1,28 +1,27 @@
-"""LangChain backend: the fused model as a `BaseLLM`, usable anywhere an LLM is (LCEL, chains, agents)."""
+"""The fused model as a LangChain `BaseLLM`, usable anywhere an LLM is (LCEL, chains, agents)."""
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun, Callbacks
 from langchain_core.language_models import LanguageModelInput
+from langchain_core.language_models.base import LangSmithParams
 from langchain_core.language_models.llms import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.runnables import RunnableConfig
 from langchain_core.runnables.config import get_config_list
-from pydantic import ConfigDict, Field, model_validator
 
-from adafuse import AdaFuse
-from adafuse.models import DEFAULT_ENSEMBLE
 from adafuse.result import GenerationResult
 
-from ._common import DecodingParameters, build_engine, decoding_config, engine_options, generation_info, iterate_in_thread
+from .._common import DECODING_FIELDS, engine_options, generation_info, iterate_in_thread
+from ._fields import AdaFuseFields
 
 __all__ = ["AdaFuseLLM"]
 
 
-class AdaFuseLLM(BaseLLM, DecodingParameters):
+class AdaFuseLLM(AdaFuseFields, BaseLLM):
     """Several local models fused word by word (AdaFuse) behind LangChain's LLM interface.
 
     Every `FusionConfig` field (tau_delta, max_span_words, num_branches, ...) is a field here too.
@@ -36,35 +35,28 @@ class AdaFuseLLM(BaseLLM, DecodingParameters):
             llm.invoke("Question: who wrote Hamlet?\\nAnswer:", stop=["\\n"])
     """
 
-    models: list[str] = Field(default_factory=lambda: list(DEFAULT_ENSEMBLE))
-    """Embedded model names, Hugging Face ids, local folders or served models (`vllm:http://host:8000/v1#name`);
-    ignored when `engine` is given."""
-    engine: AdaFuse | None = Field(default=None, exclude=True)
-    """An already-built engine to reuse (shares loaded weights between wrappers)."""
-    device_map: Any = None
-    dtype: Any = None
-    stop: list[str] | None = None
-    """Default stop sequences; a `stop` given to a call replaces them."""
-
-    model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
-
-    @model_validator(mode="after")
-    def _load(self) -> "AdaFuseLLM":
-        config = decoding_config(self)
-        if self.engine is None:
-            self.engine = build_engine(self.models, config, self.device_map, self.dtype)
-        else:
-            self.engine.check_config(config)
-            self.models = self.engine.model_names
-        return self
-
     @property
     def _llm_type(self) -> str:
         return "adafuse"
 
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return {"models": self.models, **decoding_config(self).to_dict(), "stop": self.stop}
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        return self._ls_params("llm", stop, kwargs)
+
+    def generate(self, prompts: list[str], stop: list[str] | None = None, callbacks: Callbacks = None, **kwargs: Any) -> LLMResult:
+        """As `BaseLLM.generate`, with this call's decoding overrides in the model's parameters, so that an LLM cache
+        keys on them (LangChain's key holds only the model's fields and `stop`)."""
+        target, kwargs = self._with_overrides(kwargs)
+        return BaseLLM.generate(target, prompts, stop, callbacks, **kwargs)
+
+    async def agenerate(self, prompts: list[str], stop: list[str] | None = None, callbacks: Callbacks = None,
+                        **kwargs: Any) -> LLMResult:
+        target, kwargs = self._with_overrides(kwargs)
+        return await BaseLLM.agenerate(target, prompts, stop, callbacks, **kwargs)
+
+    def _with_overrides(self, kwargs: dict[str, Any]) -> tuple["AdaFuseLLM", dict[str, Any]]:
+        overrides = {k: kwargs[k] for k in kwargs if k in DECODING_FIELDS}
+        rest = {k: v for k, v in kwargs.items() if k not in overrides}
+        return (self.model_copy(update=overrides) if overrides else self), rest
 
     def batch(
         self,
@@ -96,7 +88,10 @@ class AdaFuseLLM(BaseLLM, DecodingParameters):
         return outputs
 
     def _run(self, prompts: list[str], stop: list[str] | None, kwargs: dict[str, Any]) -> list[GenerationResult]:
-        return self.engine.generate(list(prompts), **engine_options(self, stop, kwargs))
+        """Decode the prompts as one batch (`max_batch_size`: at most that many at a time, continuously batched)."""
+        kwargs = dict(kwargs)
+        max_batch_size = kwargs.pop("max_batch_size", None)
+        return self.engine.generate(list(prompts), max_batch_size=max_batch_size, **engine_options(self, stop, kwargs))
 
     def _generate(
         self,
