@@ -75,7 +75,8 @@ def _tools_in_text(messages: list[Message], tools: list[dict[str, Any]] | None) 
     rendered: list[Message] = []
     for m in messages:
         if m["role"] == "assistant" and m.get("tool_calls"):
-            calls = [format_call(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+            calls = [format_call(c["function"]["name"], c["function"]["arguments"])
+                     for c in normalize_tool_calls(m["tool_calls"], "assistant message")]
             rendered.append({"role": "assistant", "content": "\n".join(filter(None, [m["content"], *calls]))})
         elif m["role"] == "tool":
             result = f"{RESPONSE_OPEN}\n{m['content']}\n{RESPONSE_CLOSE}"

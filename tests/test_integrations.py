@@ -102,7 +102,7 @@ def test_llama_index_complete_and_metadata(li_llm, pair):
     assert response.additional_kwargs["rounds"] >= 1
     meta = li_llm.metadata
     assert meta.context_window == 256  # the smaller of the two tiny models' windows
-    assert meta.num_output == 8 and meta.model_name == "adafuse(tiny-llama+tiny-gemma)" and not meta.is_chat_model
+    assert meta.num_output == 8 and meta.model_name == "adafuse(tiny-llama+tiny-gemma)" and meta.is_chat_model
 
 
 def test_llama_index_stream_complete_deltas(li_llm):
