@@ -97,8 +97,9 @@ def _tools_in_text(messages: list[Message], tools: list[dict[str, Any]] | None) 
 
 
 def normalize_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
-    """Assistant tool calls as [{'id', 'type': 'function', 'function': {'name', 'arguments': dict}}]; OpenAI
-    sends arguments as a JSON string, templates expect an object."""
+    """Assistant tool calls as [{'id', 'type': 'function', 'function': {'name', 'arguments'}}], arguments a dict:
+    OpenAI sends them as a JSON string, templates expect an object. Arguments that are not valid JSON (a malformed
+    call a model made earlier in the conversation) stay the string the model wrote, so the history is kept as it was."""
     if not isinstance(calls, (list, tuple)):
         raise TypeError(f"{where}: tool_calls must be a list, not {type(calls).__name__}")
     normalized = []
@@ -111,7 +112,7 @@ def normalize_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
             except json.JSONDecodeError:
-                raise ValueError(f"{where}: tool call {i} arguments are not valid JSON: {arguments!r}") from None
+                pass
         normalized.append({"id": call.get("id"), "type": "function",
                            "function": {"name": function["name"], "arguments": arguments}})
     return normalized

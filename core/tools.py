@@ -93,12 +93,14 @@ def forced_call_prefix(tools: list[dict[str, Any]], choice: ToolChoice) -> str:
 
 
 def format_call(name: str, arguments: Any) -> str:
-    return f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CALL_CLOSE}"
+    """One call as the model writes it; arguments given as text (a malformed call from earlier) go in verbatim."""
+    written = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return f'{CALL_OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {written}}}\n{CALL_CLOSE}'
 
 
 def parse_tool_calls(text: str) -> ParsedReply:
-    """The text outside `<tool_call>` blocks (trailing whitespace dropped), and each block as a valid or an invalid
-    call. A block the answer ended in before closing it (the token budget ran out) is still read."""
+    """The text outside `<tool_call>` blocks (trailing whitespace and stray closing tags dropped), and each block as
+    a valid or an invalid call. A block the answer ended in before closing it (the token budget ran out) is still read."""
     calls: list[ToolCall] = []
     invalid: list[InvalidToolCall] = []
     for match in _CALL.finditer(text):
@@ -121,8 +123,11 @@ def parse_tool_calls(text: str) -> ParsedReply:
             invalid.append(InvalidToolCall(body, "'arguments' must be a JSON object", value["name"]))
             continue
         calls.append(ToolCall(value["name"], arguments))
-    content = _CALL.sub("", text).rstrip() if (calls or invalid) else text
-    return ParsedReply(content, calls, invalid)
+    if not (calls or invalid):
+        return ParsedReply(text, calls, invalid)
+    first = text.find(CALL_OPEN)  # stray closing tags after the calls began are call syntax too, not content
+    content = text[:first] + _CALL.sub("", text[first:]).replace(CALL_CLOSE, "")
+    return ParsedReply(content.rstrip(), calls, invalid)
 
 
 def _name_in(body: str) -> str | None:

@@ -112,7 +112,7 @@ def test_parse_tool_calls_valid_malformed_and_unclosed():
     text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
             '<tool_call>\n{"name": "get_time", "parameters": "{}"}\n</tool_call>\n'
             '<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>\n'
-            '<tool_call>\n{"name": "get_time", "arguments": {}}')
+            '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}')
     reply = parse_tool_calls(text)
     assert reply.content == "Let me check."
     assert [(c.name, c.arguments) for c in reply.tool_calls] == [("get_weather", {"city": "Paris"}), ("get_time", {}),
