@@ -187,7 +187,7 @@ class AdaFuseLLM(FunctionCallingLLM, DecodingParameters):
         messages = list(chat_history or [])
         if user_msg is not None:
             messages.append(ChatMessage(role=MessageRole.USER, content=user_msg) if isinstance(user_msg, str) else user_msg)
-        tool_choice = kwargs.pop("tool_choice", "required" if tool_required else None)
+        tool_choice = kwargs.pop("tool_choice", None) or ("required" if tool_required else None)
         return {"messages": messages, "tools": [t.metadata.to_openai_tool(skip_length_check=True) for t in tools] or None,
                 "tool_choice": tool_choice, **kwargs}
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from .tools import (RESPONSE_CLOSE, RESPONSE_OPEN, ReplyStream, ToolChoice, check_tools, forced_call_prefix, format_call,
-                    tool_instructions)
+from .tools import (RESPONSE_CLOSE, RESPONSE_OPEN, ReplyStream, ToolChoice, check_tools, forced_call_pattern,
+                    forced_call_prefix, format_call, tool_instructions)
 
 Message = dict[str, Any]
 
@@ -28,12 +28,14 @@ _FALLBACK_TEMPLATES["gemma2"] = _FALLBACK_TEMPLATES["gemma3_text"]
 
 @dataclass(frozen=True)
 class Chat:
-    """A conversation to answer: the messages, the tools the reply may call (OpenAI function tools), and text the
-    reply is made to start with (the rendered prompt ends with it; the generated text does not include it)."""
+    """A conversation to answer: the messages, the tools the reply may call (OpenAI function tools), text the reply
+    is made to start with (the rendered prompt ends with it; the generated text does not include it), and a regex
+    the generated text must match (a forced call's arguments and closing), unless the call sets a constraint."""
 
     messages: list[Message]
     tools: list[dict[str, Any]] | None = None
     response_prefix: str = ""
+    reply_pattern: str | None = None
 
     @classmethod
     def with_tools(cls, messages: list[Message], tools: list[dict[str, Any]] | None = None,
@@ -43,7 +45,7 @@ class Chat:
         if not tools or tool_choice in ("none", False):
             return cls(messages)
         tools = check_tools(tools)
-        return cls(messages, tools, forced_call_prefix(tools, tool_choice))
+        return cls(messages, tools, forced_call_prefix(tools, tool_choice), forced_call_pattern(tools, tool_choice))
 
     def reply_stream(self) -> ReplyStream:
         """Where the reply's text goes to be split into content and tool calls."""

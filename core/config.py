@@ -9,6 +9,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .constraints import compile_constraint
+
 ExplorationKind = Literal["topk", "sample"]
 FusionUnit = Literal["word", "token"]
 Scoring = Literal["mean", "competence"]
@@ -17,7 +19,8 @@ SpanNormalization = Literal["token", "char", "total"]
 __all__ = ["DecodingMode", "FusionConfig", "SamplingFilter"]
 
 # Fields whose None is a setting (off), so an override of None replaces them instead of being ignored.
-_NULLABLE = ("fixed_span_words", "max_rounds", "model_weights", "fusion_gate", "token_adapter", "sequence_adapter")
+_NULLABLE = ("fixed_span_words", "max_rounds", "model_weights", "fusion_gate", "token_adapter", "sequence_adapter",
+             "json_schema", "regex")
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,9 @@ class FusionConfig:
             trained for (one of the fused models): the sequence adapter picks a sampling configuration per
             prompt, the token adapter a temperature at every step.
         num_samples: parallel samples per prompt under adaptive sampling; the majority answer is returned.
+        json_schema, regex: the answer must match this JSON schema (a dict) or regular expression; every round's
+            candidates are cut to what can still match, and an answer cut short by the budget is closed, so it
+            always parses (`adafuse.constraints`). Word-level fusion only.
     """
 
     tau_delta: float = 0.7
@@ -104,6 +110,8 @@ class FusionConfig:
     token_adapter: str | None = None
     sequence_adapter: str | None = None
     num_samples: int = 1
+    json_schema: dict | None = None
+    regex: str | None = None
 
     def validate(self, num_models: int | None = None) -> "FusionConfig":
         """Raise TypeError naming the first parameter of the wrong type, ValueError the first out of range;
@@ -111,7 +119,18 @@ class FusionConfig:
         self._check_types()
         self._check_ranges()
         self._check_model_weights(num_models)
+        self._check_constraint()
         return self
+
+    def _check_constraint(self) -> None:
+        if self.json_schema is None and self.regex is None:
+            return
+        if self.json_schema is not None and self.regex is not None:
+            raise ValueError("invalid json_schema and regex: give one constraint, not both")
+        if self.decoding_mode() is not DecodingMode.WORD_FUSION:
+            raise ValueError(f"invalid {'json_schema' if self.json_schema is not None else 'regex'}: constrained output "
+                             "needs word-level fusion (unit='word', no token or sequence adapter)")
+        compile_constraint(self.json_schema, self.regex)
 
     def _check_ranges(self) -> None:
         checks = [

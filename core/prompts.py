@@ -34,6 +34,8 @@ def normalize_prompt(prompt: Any, index: int | None = None) -> Prompt:
     if isinstance(prompt, Chat):
         if not isinstance(prompt.response_prefix, str):
             raise TypeError(f"{where}: response_prefix must be a string")
+        if prompt.reply_pattern is not None and not isinstance(prompt.reply_pattern, str):
+            raise TypeError(f"{where}: reply_pattern must be a regex string or None")
         tools = check_tools(prompt.tools) if prompt.tools is not None else None
         messages = normalize_prompt(prompt.messages, index)
         if isinstance(messages, str):

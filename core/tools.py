@@ -8,13 +8,18 @@ JSON lines inside `<tools></tools>` in the system message, and each call as
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from .constraints import schema_regex
+
+logger = logging.getLogger(__name__)
+
 __all__ = ["CALL_OPEN", "CALL_CLOSE", "ToolCall", "InvalidToolCall", "ParsedReply", "ReplyStream", "ToolChoice",
-           "tool_instructions", "forced_call_prefix", "parse_tool_calls", "check_tools"]
+           "tool_instructions", "forced_call_prefix", "forced_call_pattern", "parse_tool_calls", "check_tools"]
 
 ToolChoice = dict | str | bool | None
 """As OpenAI's: "auto" or None, "none", "required"/"any"/True (a call is required), a tool name or
@@ -77,19 +82,47 @@ def tool_instructions(tools: list[dict[str, Any]]) -> str:
 def forced_call_prefix(tools: list[dict[str, Any]], choice: ToolChoice) -> str:
     """The start the reply is given so that it is a tool call where `choice` requires one ("" where it does not):
     of the named tool, or of the only one offered."""
-    if choice in (None, "auto", "none", False):
+    names = _forced_names(tools, choice)
+    if not names:
         return ""
+    opening = f"{CALL_OPEN}\n" + '{"name": "'
+    return opening + f'{names[0]}", "arguments": ' if len(names) == 1 else opening
+
+
+def forced_call_pattern(tools: list[dict[str, Any]], choice: ToolChoice) -> str | None:
+    """The regex the rest of a forced call must match (after `forced_call_prefix`): a tool's name where several may
+    be called, its arguments as its parameters schema allows, and the call's closing. None where no call is forced,
+    or a schema is beyond the regex translation (the call is then forced but its arguments are not)."""
+    names = _forced_names(tools, choice)
+    if not names:
+        return None
+    schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object", "properties": {}} for t in tools}
+    try:
+        arguments = {name: schema_regex(schemas[name]) for name in names}
+    except ValueError as error:
+        logger.warning("tool call arguments are not constrained: %s", error)
+        return None
+    closing = r"[ ]?\}\n" + re.escape(CALL_CLOSE)
+    if len(names) == 1:
+        return arguments[names[0]] + closing
+    calls = "|".join(f'{re.escape(name)}", "arguments": (?:{arguments[name]})' for name in names)
+    return f"(?:{calls}){closing}"
+
+
+def _forced_names(tools: list[dict[str, Any]], choice: ToolChoice) -> list[str]:
+    """The tools one of which the reply must call; none when `choice` does not require a call."""
+    if choice in (None, "auto", "none", False):
+        return []
     names = [t["function"]["name"] for t in tools]
     if isinstance(choice, dict):
         choice = choice.get("function", choice).get("name")
     if isinstance(choice, str) and choice not in ("any", "required"):
         if choice not in names:
             raise ValueError(f"tool_choice names {choice!r}, which is not among the tools {names}")
-        names = [choice]
-    elif choice not in ("any", "required", True):
+        return [choice]
+    if choice not in ("any", "required", True):
         raise ValueError(f"tool_choice must be 'auto', 'none', 'required', 'any' or a tool name, got {choice!r}")
-    opening = f"{CALL_OPEN}\n" + '{"name": "'
-    return opening + f'{names[0]}", "arguments": ' if len(names) == 1 else opening
+    return names
 
 
 def format_call(name: str, arguments: Any) -> str:

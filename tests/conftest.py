@@ -94,6 +94,14 @@ def third_backend(byte_level_tokenizer) -> ModelBackend:
     return ModelBackend(_sharpen(_llama(byte_level_tokenizer, seed=2), 40.0), byte_level_tokenizer, name="tiny-llama-sharp", cpu_kernels=True)
 
 
+@pytest.fixture(scope="session")
+def long_pair(byte_level_tokenizer, metaspace_tokenizer) -> AdaFuse:
+    """The tiny pair with windows that hold tool descriptions (prompts of ~600 tokens)."""
+    return AdaFuse([ModelBackend(_llama(byte_level_tokenizer, 0, positions=2048), byte_level_tokenizer, name="tiny-llama", cpu_kernels=True),
+                    ModelBackend(_gemma(metaspace_tokenizer, 1, positions=2048), metaspace_tokenizer, name="tiny-gemma", cpu_kernels=True)],
+                   FusionConfig(max_new_tokens=8))
+
+
 @pytest.fixture()
 def pair(llama_backend, gemma_backend) -> AdaFuse:
     return AdaFuse([llama_backend, gemma_backend], FusionConfig(max_new_tokens=12))

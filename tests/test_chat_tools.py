@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("langchain_core")
 pytest.importorskip("llama_index.core")
 
-from conftest import _byte_level_tokenizer, _gemma, _llama, _metaspace_tokenizer  # noqa: E402
+from conftest import _byte_level_tokenizer  # noqa: E402
 from langchain_core.caches import InMemoryCache  # noqa: E402
 from langchain_core.globals import set_llm_cache  # noqa: E402
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage  # noqa: E402
@@ -18,7 +18,7 @@ from llama_index.core.instrumentation import get_dispatcher  # noqa: E402
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler  # noqa: E402
 from llama_index.core.tools import FunctionTool  # noqa: E402
 
-from adafuse import AdaFuse, Chat, FusionConfig, ModelBackend  # noqa: E402
+from adafuse import Chat  # noqa: E402
 from adafuse.chat import render_chat  # noqa: E402
 from adafuse.tools import CALL_OPEN, ReplyStream, forced_call_prefix, parse_tool_calls, tool_instructions  # noqa: E402
 from adafuse_integrations.langchain import AdaFuseLLM, ChatAdaFuse  # noqa: E402
@@ -36,15 +36,6 @@ TOOL_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-@pytest.fixture(scope="module")
-def long_pair() -> AdaFuse:
-    """Tool descriptions make prompts of ~600 tokens: the tiny pair with windows that hold them."""
-    llama_tok, gemma_tok = _byte_level_tokenizer(), _metaspace_tokenizer()
-    return AdaFuse([ModelBackend(_llama(llama_tok, 0, positions=2048), llama_tok, name="tiny-llama", cpu_kernels=True),
-                    ModelBackend(_gemma(gemma_tok, 1, positions=2048), gemma_tok, name="tiny-gemma", cpu_kernels=True)],
-                   FusionConfig(max_new_tokens=8))
 
 
 @pytest.fixture(scope="module")

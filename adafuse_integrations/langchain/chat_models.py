@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from operator import itemgetter
+from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LanguageModelInput
@@ -16,9 +17,12 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 from langchain_core.messages.utils import convert_to_openai_messages
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable
+from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
-from langchain_core.utils.function_calling import convert_to_openai_tool
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import BaseModel
 
 from adafuse import Chat
 from adafuse.result import GenerationResult
@@ -64,6 +68,43 @@ class ChatAdaFuse(AdaFuseFields, BaseChatModel):
         """Offer `tools` to the model. `tool_choice`: "auto" (default), "none", "any"/"required"/True (the reply
         must be a call), or a tool name / {"type": "function", "function": {"name": ...}} (a call of that tool)."""
         return super().bind(tools=[convert_to_openai_tool(t) for t in tools], tool_choice=tool_choice, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type,
+        *,
+        method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
+        include_raw: bool = False,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict | BaseModel]:
+        """Replies that match `schema` (a Pydantic class, TypedDict or JSON schema), parsed.
+
+        "json_schema" constrains the reply's text to the schema's JSON (the fused members' candidates are cut to
+        what the schema still allows, and a reply cut short by the budget is closed), so it always parses;
+        "function_calling" forces a call of the schema as a tool, its arguments constrained the same way;
+        "json_mode" constrains the reply to some JSON object."""
+        kwargs.pop("strict", None)
+        if method == "function_calling":
+            return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
+        if kwargs:
+            raise ValueError(f"unsupported arguments {sorted(kwargs)}")
+        if method not in ("json_schema", "json_mode"):
+            raise ValueError(f"method must be 'json_schema', 'function_calling' or 'json_mode', got {method!r}")
+        if method == "json_mode":
+            json_schema: dict[str, Any] = {"type": "object"}
+        elif isinstance(schema, dict) and ("properties" in schema or "type" in schema):
+            json_schema = schema  # a JSON schema as it is (LangChain's conversion wants a title to name a function)
+        else:
+            json_schema = convert_to_json_schema(schema)
+        llm = self.bind(json_schema=json_schema,
+                        ls_structured_output_format={"kwargs": {"method": method}, "schema": json_schema})
+        pydantic_class = isinstance(schema, type) and is_basemodel_subclass(schema)
+        parser = PydanticOutputParser(pydantic_object=schema) if pydantic_class and method == "json_schema" else JsonOutputParser()
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        failed = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([failed], exception_key="parsing_error")
 
     # ------------------------------------------------------------------ calls into the engine
     def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]

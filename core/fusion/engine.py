@@ -13,6 +13,8 @@ import torch
 from ..backend import Backend
 from ..loading import load_backend
 from ..config import DecodingMode, FusionConfig
+from ..chat import Chat
+from ..constraints import TextAutomaton, compile_constraint
 from ..models import DEFAULT_ENSEMBLE
 from ..prompts import Prompt, normalize_prompt, normalize_prompts
 from ..result import GenerationResult
@@ -165,7 +167,7 @@ class AdaFuse:
             for backend in self.backends:
                 backend.reset_counters()
             encoded = self._encode(prompts, config)
-            rows = [RowState(trace=[] if trace else None) for _ in prompts]
+            rows = [RowState(trace=[] if trace else None, constraint=_constraint(p, config)) for p in prompts]
             for r, state in enumerate(rows):
                 state.stats.prompt_tokens = {b.name: len(ids[r]) for b, ids in zip(self.backends, encoded)}
             scheduler = Scheduler(len(prompts), max_batch_size)
@@ -267,3 +269,9 @@ class AdaFuse:
                 per_model.append([span_nll(backend, batch, 0, path, text, False, "token")
                                   for path, text in zip(paths, continuations)])
         return [list(row) for row in zip(*per_model)]
+
+
+def _constraint(prompt: Prompt, config: FusionConfig) -> TextAutomaton | None:
+    """What a prompt's answer must match: the call's json_schema or regex, else a chat's forced tool call."""
+    pattern = prompt.reply_pattern if isinstance(prompt, Chat) else None
+    return compile_constraint(config.json_schema, config.regex) or compile_constraint(None, pattern)

@@ -13,6 +13,7 @@ from ..config import DecodingMode, FusionConfig
 from ..result import CandidateTrace, RoundTrace
 from ..runtime.scheduler import Fed, Needs, RowTask, Scheduler
 from .candidates import Candidate, CandidatePool
+from .constrained import close_constrained, constrained_candidates
 from .gate import GateSession
 from .proposals import RowProposals, propose_row
 from .scoring import span_nll
@@ -40,7 +41,13 @@ class RoundContext:
 
 def rounds(r: int, state: RowState, context: RoundContext) -> RowTask:
     """Row r's rounds until it finishes: yields the scratch tokens it needs run, per model, and is sent the node ids
-    they got."""
+    they got. A constrained answer that finished unaccepted (budget, stop) is closed."""
+    yield from _rounds(r, state, context)
+    if state.constraint is not None:
+        close_constrained(state, state.constraint, context.backends[0])
+
+
+def _rounds(r: int, state: RowState, context: RoundContext) -> RowTask:
     config = context.config
     token_level = config.decoding_mode() is DecodingMode.TOKEN_FUSION
     deepest = _deepest_proposal(config)
@@ -94,6 +101,9 @@ def _word_round(r: int, state: RowState, context: RoundContext
         for proposal in row.proposals:
             pool.add(backend.decode(proposal.tokens), proposal.ends, backend.name)
     candidates = pool.candidates()
+    if state.constraint is not None:
+        candidates = constrained_candidates(candidates, state.constraint, state.text, backends, context.scheduler.batches,
+                                            context.scheduler.position(r), context.config.num_branches)
     paths = [[backend.encode_piece(c.text) for c in candidates] for backend in backends]
     fitting, paths = _fitting(candidates, paths, _room(context, r))
     if candidates and not fitting:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..constraints import TextAutomaton
 from ..result import DecodingStats, RoundTrace
 from .gate import GateDecision
 
@@ -28,6 +29,7 @@ class RowState:
     pieces: list[str] = field(default_factory=list)  # text safe to emit, not yet handed out
     weights: torch.Tensor | None = None  # each model's weight in this prompt's fused scores
     competence: CompetenceMarks | None = None
+    constraint: TextAutomaton | None = None  # the language the answer must belong to
 
     def take_pieces(self) -> list[str]:
         pieces, self.pieces = self.pieces, []

@@ -27,6 +27,8 @@ def append_span(state: RowState, chosen: Candidate, config: FusionConfig, counte
         state.new_tokens = len(counter.encode_piece(state.text))
     elif chosen.ends:
         state.finish_reason = "eos"
+    elif state.constraint is not None and state.constraint.finished(state.constraint.walk(state.text)):
+        state.finish_reason = "stop"  # the answer is complete: nothing may follow it
     elif state.new_tokens >= config.max_new_tokens or (config.max_rounds and state.stats.rounds >= config.max_rounds):
         state.finish_reason = "length"
         state.text = counter.truncate(state.text, config.max_new_tokens)
