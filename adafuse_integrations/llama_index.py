@@ -97,11 +97,11 @@ class AdaFuseLLM(FunctionCallingLLM, DecodingParameters):
         return engine_options(self, kwargs.pop("stop", None), kwargs)
 
     def _complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponse:
-        result = self._engine.generate(prompt if formatted else self.completion_to_prompt(prompt), **self._options(kwargs))
+        result = self._engine.batcher.generate(prompt if formatted else self.completion_to_prompt(prompt), **self._options(kwargs))
         return CompletionResponse(text=result.text, additional_kwargs=generation_info(result), raw=self._raw(result))
 
     def _stream_complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> CompletionResponseGen:
-        pieces = self._engine.stream(prompt if formatted else self.completion_to_prompt(prompt), **self._options(kwargs))
+        pieces = self._engine.batcher.stream(prompt if formatted else self.completion_to_prompt(prompt), **self._options(kwargs))
         text = ""
         with closing(pieces):
             for piece in pieces:
@@ -136,7 +136,7 @@ class AdaFuseLLM(FunctionCallingLLM, DecodingParameters):
 
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
         chat, options = self._request(messages, kwargs)
-        result = self._engine.generate(chat, **options)
+        result = self._engine.batcher.generate(chat, **options)
         replying = chat.reply_stream()
         replying.feed(result.text)
         return ChatResponse(message=_reply_message(replying.parsed()), additional_kwargs=generation_info(result),
@@ -146,7 +146,7 @@ class AdaFuseLLM(FunctionCallingLLM, DecodingParameters):
         """Text as rounds commit it (from a `<tool_call>` on it is held back); the calls come in the last response."""
         chat, options = self._request(messages, kwargs)
         replying, text = chat.reply_stream(), ""
-        pieces = self._engine.stream(chat, **options)
+        pieces = self._engine.batcher.stream(chat, **options)
         with closing(pieces):
             for piece in pieces:
                 if isinstance(piece, GenerationResult):

@@ -122,7 +122,7 @@ class ChatAdaFuse(AdaFuseFields, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         chat, options = self._request(messages, stop, kwargs)
-        result = self.engine.generate(chat, **options)
+        result = self.engine.batcher.generate(chat, **options)
         replying = chat.reply_stream()
         replying.feed(result.text)
         reply = replying.parsed()
@@ -152,7 +152,7 @@ class ChatAdaFuse(AdaFuseFields, BaseChatModel):
         the last chunk, with the usage. The chunks add up to the message `invoke` returns."""
         chat, options = self._request(messages, stop, kwargs)
         replying = chat.reply_stream()
-        for piece in self.engine.stream(chat, **options):
+        for piece in self.engine.batcher.stream(chat, **options):
             if isinstance(piece, GenerationResult):
                 yield self._last_chunk(replying, piece)
             elif delta := replying.feed(piece):

@@ -88,10 +88,14 @@ class AdaFuseLLM(AdaFuseFields, BaseLLM):
         return outputs
 
     def _run(self, prompts: list[str], stop: list[str] | None, kwargs: dict[str, Any]) -> list[GenerationResult]:
-        """Decode the prompts as one batch (`max_batch_size`: at most that many at a time, continuously batched)."""
+        """Decode the prompts as one batch (`max_batch_size`: at most that many at a time, continuously batched); a
+        single prompt joins the engine's running batch, so concurrent calls decode together."""
         kwargs = dict(kwargs)
         max_batch_size = kwargs.pop("max_batch_size", None)
-        return self.engine.generate(list(prompts), max_batch_size=max_batch_size, **engine_options(self, stop, kwargs))
+        options = engine_options(self, stop, kwargs)
+        if len(prompts) == 1 and max_batch_size is None:
+            return [self.engine.batcher.generate(prompts[0], **options)]
+        return self.engine.generate(list(prompts), max_batch_size=max_batch_size, **options)
 
     def _generate(
         self,
@@ -114,7 +118,7 @@ class AdaFuseLLM(AdaFuseFields, BaseLLM):
         return LLMResult(generations=[[Generation(text=r.text, generation_info=generation_info(r))] for r in results])
 
     def _chunks(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> Iterator[GenerationChunk]:
-        for piece in self.engine.stream(prompt, **engine_options(self, stop, kwargs)):
+        for piece in self.engine.batcher.stream(prompt, **engine_options(self, stop, kwargs)):
             if isinstance(piece, GenerationResult):
                 yield GenerationChunk(text="", generation_info=generation_info(piece))
             else:

@@ -5,15 +5,24 @@ from __future__ import annotations
 import torch
 
 from ..backend import Backend
-from ..constraints import TextAutomaton
+from ..chat import Chat
+from ..config import FusionConfig
+from ..constraints import TextAutomaton, compile_constraint
+from ..prompts import Prompt
 from ..runtime.token_tree import TokenTree
 from .candidates import Candidate, CandidatePool
 from .state import RowState
 
-__all__ = ["constrained_candidates", "close_constrained"]
+__all__ = ["row_constraint", "constrained_candidates", "close_constrained"]
 
 # How many of a model's most likely next tokens the fallback looks through for ones that continue validly.
 _FALLBACK_SCAN = 512
+
+
+def row_constraint(prompt: Prompt, config: FusionConfig) -> TextAutomaton | None:
+    """What a prompt's answer must match: the call's json_schema or regex, else a chat's forced tool call."""
+    pattern = prompt.reply_pattern if isinstance(prompt, Chat) else None
+    return compile_constraint(config.json_schema, config.regex) or compile_constraint(None, pattern)
 
 
 def constrained_candidates(candidates: list[Candidate], automaton: TextAutomaton, text: str, backends: list[Backend],

@@ -2,19 +2,18 @@
 scheduled by `runtime.scheduler`, or adaptive sampling where the configuration asks for it."""
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import closing
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from ..backend import Backend
 from ..loading import load_backend
 from ..config import DecodingMode, FusionConfig
-from ..chat import Chat
-from ..constraints import TextAutomaton, compile_constraint
 from ..models import DEFAULT_ENSEMBLE
 from ..prompts import Prompt, normalize_prompt, normalize_prompts
 from ..result import GenerationResult
@@ -23,12 +22,17 @@ from ..runtime.scheduler import RowTask, Scheduler
 from ..sampling.adaptive import sample_adaptively, sampling_policies
 from ..sampling.policies import PolicyCache
 from ..streaming import in_worker_thread
+from .batcher import RequestBatcher
+from .constrained import row_constraint
 from .gate import GateSession, gate_session
 from .round import RoundContext, rounds
 from .scoring import competence_marks, row_weights, span_nll
 from .state import RowState
 
 __all__ = ["AdaFuse"]
+
+T = TypeVar("T")
+Indexed = list[T] | dict[int, T]  # rows by index: a call's list, or a request batcher's running dict
 
 
 class AdaFuse:
@@ -82,6 +86,11 @@ class AdaFuse:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    @functools.cached_property
+    def batcher(self) -> RequestBatcher:
+        """This engine's request batcher: calls through it from many threads decode in one continuous batch."""
+        return RequestBatcher(self)
 
     @property
     def model_names(self) -> list[str]:
@@ -167,39 +176,44 @@ class AdaFuse:
             for backend in self.backends:
                 backend.reset_counters()
             encoded = self._encode(prompts, config)
-            rows = [RowState(trace=[] if trace else None, constraint=_constraint(p, config)) for p in prompts]
+            rows = [RowState(trace=[] if trace else None, constraint=row_constraint(p, config)) for p in prompts]
             for r, state in enumerate(rows):
                 state.stats.prompt_tokens = {b.name: len(ids[r]) for b, ids in zip(self.backends, encoded)}
             scheduler = Scheduler(len(prompts), max_batch_size)
-            context = RoundContext(self.backends, scheduler, config, gate,
-                                   torch.Generator(device=self.backends[0].device).manual_seed(config.seed))
-            prior = torch.tensor(config.model_weights or [1.0] * len(self.backends))
-            prior = prior / prior.sum()
+            generator = torch.Generator(device=self.backends[0].device).manual_seed(config.seed)
 
             def admit(joining: list[int]) -> list[TokenTree]:
-                return self._admit(joining, prompts, encoded, rows, config, keep_hidden=gate is not None)
+                return self._admit(joining, prompts, encoded, rows, [config] * len(prompts), keep_hidden=gate is not None)
 
             def start(r: int) -> RowTask:
-                state = rows[r]
-                state.weights = row_weights(prior, scheduler.batches, scheduler.position(r), state.competence,
-                                            config.competence_sharpness)
-                state.stats.model_weights = dict(zip(self.model_names, state.weights.tolist()))
-                return rounds(r, state, context)
+                return self._start_row(r, rows[r], RoundContext(self.backends, scheduler, config, gate, generator))
 
             for r in scheduler.run(admit, start):
                 yield from ((r, piece) for piece in rows[r].take_pieces())
             yield from self._finish(rows, scheduler, time.perf_counter() - started, gate)
 
-    def _admit(self, joining: list[int], prompts: list[Prompt], encoded: list[list[list[int]]], rows: list[RowState],
-               config: FusionConfig, keep_hidden: bool) -> list[TokenTree]:
-        """Prefill the joining prompts for every model (scoring the prompt tokens that competence reads)."""
+    def _admit(self, joining: list[int], prompts: Indexed[Prompt], encoded: list[Indexed[list[int]]],
+               rows: Indexed[RowState], configs: Indexed[FusionConfig], keep_hidden: bool) -> list[TokenTree]:
+        """Prefill the joining rows for every model (scoring the prompt tokens that competence reads, for rows whose
+        configuration weighs models by competence); rows are looked up by index in lists or dicts."""
+        competent = [r for r in joining if configs[r].scoring == "competence" and len(self.backends) > 1]
+        for r in competent:
+            rows[r].competence = competence_marks(self.backends, prompts[r])
         scored: list[list[list[bool]] | None] = [None] * len(self.backends)
-        if config.scoring == "competence" and len(self.backends) > 1:
-            for r in joining:
-                rows[r].competence = competence_marks(self.backends, prompts[r])
-            scored = [[rows[r].competence[m][0] for r in joining] for m in range(len(self.backends))]
+        if competent:
+            scored = [[rows[r].competence[m][0] if rows[r].competence else [False] * len(encoded[m][r]) for r in joining]
+                      for m in range(len(self.backends))]
         return [backend.start([ids[r] for r in joining], keep_hidden, marks)
                 for backend, ids, marks in zip(self.backends, encoded, scored)]
+
+    def _start_row(self, r: int, state: RowState, context: RoundContext) -> RowTask:
+        """A joined row's rounds, with its models' weights for this prompt."""
+        config = context.config
+        prior = torch.tensor(config.model_weights or [1.0] * len(self.backends))
+        state.weights = row_weights(prior / prior.sum(), context.scheduler.batches, context.scheduler.position(r),
+                                    state.competence, config.competence_sharpness)
+        state.stats.model_weights = dict(zip(self.model_names, state.weights.tolist()))
+        return rounds(r, state, context)
 
     def _finish(self, rows: list[RowState], scheduler: Scheduler, elapsed: float, gate: GateSession | None
                 ) -> Iterator[tuple[int, str | GenerationResult]]:
@@ -269,9 +283,3 @@ class AdaFuse:
                 per_model.append([span_nll(backend, batch, 0, path, text, False, "token")
                                   for path, text in zip(paths, continuations)])
         return [list(row) for row in zip(*per_model)]
-
-
-def _constraint(prompt: Prompt, config: FusionConfig) -> TextAutomaton | None:
-    """What a prompt's answer must match: the call's json_schema or regex, else a chat's forced tool call."""
-    pattern = prompt.reply_pattern if isinstance(prompt, Chat) else None
-    return compile_constraint(config.json_schema, config.regex) or compile_constraint(None, pattern)

@@ -38,14 +38,20 @@ class Scheduler:
         """Where a running row sits in every batch."""
         return self.active.index(row)
 
-    def run(self, admit: Callable[[list[int]], list[TreeBatch]], start: Callable[[int], RowTask]) -> Iterator[int]:
+    def run(self, admit: Callable[[list[int]], list[TreeBatch]], start: Callable[[int], RowTask],
+            arrivals: Callable[[], list[int]] | None = None) -> Iterator[int]:
         """Drive every row to its end. `admit(rows)` prefills joining rows (one new batch per model); `start(row)`
-        makes a joined row's coroutine. Yields each row index after its coroutine advanced, so the caller can
-        hand out what the row produced."""
+        makes a joined row's coroutine; `arrivals()`, called before every step, returns rows that arrived since
+        (a request batcher's). Yields each row index after its coroutine advanced, so the caller can hand out what
+        the row produced."""
         tasks: dict[int, RowTask] = {}
         needs: dict[int, Needs] = {}
         fed: dict[int, Fed] = {}
-        while self.active or self.waiting:
+        while True:
+            if arrivals is not None:
+                self.waiting.extend(arrivals())
+            if not (self.active or self.waiting):
+                return
             joining = self._joining()
             if joining:
                 self.join(admit(joining))
