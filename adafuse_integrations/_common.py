@@ -1,20 +1,14 @@
-"""Glue shared by the framework adapters: building the engine from fields, and async over the sync engine."""
+"""Glue shared by the framework adapters: building the engine from fields, per-call options, reply metadata."""
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import threading
 import typing
-from collections.abc import AsyncIterator, Callable, Generator
-from typing import Any, TypeVar
+from typing import Any
 
 from pydantic import BaseModel, create_model
 
 from adafuse import AdaFuse, FusionConfig
 from adafuse.result import GenerationResult
-from adafuse.streaming import DONE, drive_in_thread
-
-T = TypeVar("T")
 
 # Framework users expect room for a paragraph; the engine's own default suits short completions.
 _ADAPTER_DEFAULTS = {"max_new_tokens": 256}
@@ -67,29 +61,3 @@ def generation_info(result: GenerationResult) -> dict[str, Any]:
         "wall_time_s": stats.wall_time_s,
         "model_weights": stats.model_weights,
     }
-
-
-async def iterate_in_thread(make_iterator: Callable[[], Generator[T, None, None]]) -> AsyncIterator[T]:
-    """Drive a blocking iterator in a worker thread so the event loop stays free; re-raise its errors.
-
-    Closing or cancelling the async iterator stops the worker before its next item (and closes the blocking
-    iterator, which cancels an engine stream), so an abandoned `astream` does not keep decoding.
-    """
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    stopped = threading.Event()
-
-    def hand_over(item: Any) -> None:
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            stopped.set()
-
-    drive_in_thread(make_iterator, hand_over, stopped, "adafuse-astream")
-    try:
-        while (item := await queue.get()) is not DONE:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stopped.set()

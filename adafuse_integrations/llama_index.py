@@ -19,8 +19,9 @@ from adafuse import AdaFuse, Chat
 from adafuse.models import DEFAULT_ENSEMBLE
 from adafuse.result import GenerationResult
 from adafuse.tools import ParsedReply
+from adafuse.streaming import iterate_in_thread
 
-from ._common import DecodingParameters, build_engine, decoding_config, engine_options, generation_info, iterate_in_thread
+from ._common import DecodingParameters, build_engine, decoding_config, engine_options, generation_info
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool

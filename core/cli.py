@@ -61,10 +61,8 @@ def _read_stdin() -> str:
                          f"{error.start})") from None
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from .fusion.engine import AdaFuse
-
-    config = FusionConfig(
+def _config(args: argparse.Namespace) -> FusionConfig:
+    return FusionConfig(
         tau_delta=args.tau_delta,
         max_span_words=args.max_span_words,
         num_branches=args.num_branches,
@@ -80,6 +78,12 @@ def _generate(args: argparse.Namespace) -> int:
         sequence_adapter=args.sequence_adapter,
         num_samples=args.num_samples,
     ).validate(len(args.models))
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .fusion.engine import AdaFuse
+
+    config = _config(args)
     prompt = _read_stdin() if args.prompt == "-" else _unescape(args.prompt) if args.escapes else args.prompt
     load_started = time.perf_counter()
     fuser = AdaFuse.from_pretrained(args.models, config, device_map=args.device_map, dtype=args.dtype)
@@ -205,6 +209,20 @@ def _train_sampling_adapter(args: argparse.Namespace, out: Path):
     return adapter, history
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .fusion.engine import AdaFuse
+
+    try:
+        from .server import serve
+    except ImportError as error:
+        raise ValueError(f"adafuse serve needs FastAPI and uvicorn ({error}): pip install 'adafuse[serve]'") from None
+    fuser = AdaFuse.from_pretrained(args.models, _config(args), device_map=args.device_map, dtype=args.dtype)
+    fuser.batcher.max_batch_size = args.max_batch_size
+    serve(fuser, args.host, args.port, model_name=args.served_model_name, max_pending=args.max_pending,
+          max_tokens=args.max_new_tokens)
+    return 0
+
+
 def _models(args: argparse.Namespace) -> int:
     print(f"cache: {cache_dir()}")
     folders = prepare_default_models(args.names or None)
@@ -265,6 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--device-map", default=None)
     train.add_argument("--dtype", default=None)
     train.set_defaults(run=_train_adapter)
+    server = commands.add_parser("serve", help="an OpenAI-compatible server (/v1/completions, /v1/chat/completions)")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--served-model-name", default=None, help="the model id clients send (default: adafuse(a+b))")
+    server.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together")
+    server.add_argument("--max-pending", type=int, default=64, help="requests in flight before 429")
+    _add_decoding_options(server)
+    server.set_defaults(run=_serve, max_new_tokens=256)
     models = commands.add_parser("models", help="list and prepare (convert once) the embedded default models")
     models.add_argument("names", nargs="*", choices=[*DEFAULT_MODELS, []], help="which ones (default: all)")
     models.set_defaults(run=_models)

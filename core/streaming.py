@@ -6,9 +6,10 @@ that closes or drops the stream cancels the decode before its next event.
 """
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from contextlib import closing
 from typing import Any, TypeVar
 
@@ -44,6 +45,32 @@ def in_worker_thread(events: Generator[T, None, None]) -> Iterator[T]:
     drive_in_thread(lambda: events, handed.put, stopped, "adafuse-stream")
     try:
         while (item := handed.get()) is not DONE:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stopped.set()
+
+
+async def iterate_in_thread(make_iterator: Callable[[], Generator[T, None, None]]) -> AsyncIterator[T]:
+    """Drive a blocking iterator in a worker thread so the event loop stays free; re-raise its errors.
+
+    Closing or cancelling the async iterator stops the worker before its next item (and closes the blocking
+    iterator, which cancels an engine stream), so an abandoned `astream` does not keep decoding.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    stopped = threading.Event()
+
+    def hand_over(item: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            stopped.set()
+
+    drive_in_thread(make_iterator, hand_over, stopped, "adafuse-astream")
+    try:
+        while (item := await queue.get()) is not DONE:
             if isinstance(item, BaseException):
                 raise item
             yield item

@@ -27,8 +27,9 @@ from pydantic import BaseModel
 from adafuse import Chat
 from adafuse.result import GenerationResult
 from adafuse.tools import ReplyStream, ToolChoice
+from adafuse.streaming import iterate_in_thread
 
-from .._common import engine_options, generation_info, iterate_in_thread
+from .._common import engine_options, generation_info
 from ._fields import AdaFuseFields
 
 __all__ = ["ChatAdaFuse"]

@@ -14,8 +14,9 @@ from langchain_core.runnables import RunnableConfig
 from langchain_core.runnables.config import get_config_list
 
 from adafuse.result import GenerationResult
+from adafuse.streaming import iterate_in_thread
 
-from .._common import DECODING_FIELDS, engine_options, generation_info, iterate_in_thread
+from .._common import DECODING_FIELDS, engine_options, generation_info
 from ._fields import AdaFuseFields
 
 __all__ = ["AdaFuseLLM"]
