@@ -9,9 +9,13 @@ nbclient = pytest.importorskip("nbclient")
 pytestmark = pytest.mark.e2e
 COOKBOOK = Path(__file__).resolve().parents[1] / "cookbook"
 PRINTED = {
+    "agent_langchain.ipynb": ["call:", "every call was answered"],
+    "agent_llamaindex.ipynb": ["call:", "every call was answered"],
     "rag_langchain.ipynb": ["fused:", "answers contain the expected string", "round 1:"],
     "rag_llamaindex.ipynb": ["fused:", "answers contain the expected string"],
+    "serving.ipynb": ["serving adafuse(", "served answers check out"],
     "streaming_and_tuning.ipynb": ["'tau': 1.0", "saved tau_sweep.png"],
+    "structured_extraction.ipynb": ["constrained: 3/3", "every constrained reply validates"],
 }
 
 
