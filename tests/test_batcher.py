@@ -93,3 +93,15 @@ def test_concurrent_async_chat_calls_join_one_batch(long_pair):
     assert [r.content for r in replies] == [chat.invoke(q).content for q in questions]
     llm = AdaFuseLLM(engine=long_pair, max_new_tokens=8)
     assert llm.batch(PROMPTS[:3], max_batch_size=2) == [long_pair.generate(p, max_new_tokens=8).text for p in PROMPTS[:3]]
+
+
+def test_the_worker_ends_when_idle_and_an_exiting_interpreter_waits_for_it(pair):
+    """A daemon worker killed at exit while freeing a batch's tensors aborts the process ('terminate called without
+    an active exception'); the worker is not a daemon and lives only while requests are in flight."""
+    first = pair.batcher.generate(PROMPTS[0], max_new_tokens=4)
+    workers = [t for t in threading.enumerate() if t.name == "adafuse-batcher"]
+    assert all(not t.daemon for t in workers)
+    for worker in workers:
+        worker.join(timeout=30)
+    assert not any(t.name == "adafuse-batcher" for t in threading.enumerate())
+    assert pair.batcher.generate(PROMPTS[0], max_new_tokens=4).text == first.text  # a new worker starts on demand

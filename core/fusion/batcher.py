@@ -74,8 +74,8 @@ class RequestBatcher:
             return
         encoded = [ids[0] for ids in self.engine._encode([prompt], config)]
         request = _Request(prompt, config, encoded, RowState(trace=[] if trace else None, constraint=row_constraint(prompt, config)))
-        self._ensure_worker()
         self._incoming.put(request)
+        self._ensure_worker()
         try:
             while (item := request.events.get()) is not DONE:
                 if isinstance(item, BaseException):
@@ -88,13 +88,20 @@ class RequestBatcher:
     def _ensure_worker(self) -> None:
         with self._start_lock:
             if self._worker is None or not self._worker.is_alive():
-                self._worker = threading.Thread(target=self._serve, name="adafuse-batcher", daemon=True)
+                self._worker = threading.Thread(target=self._serve, name="adafuse-batcher")
                 self._worker.start()
 
     def _serve(self) -> None:
-        """Wait for a request, then decode until no request is left; again."""
+        """Decode until no request is left, then end. The worker lives only while requests are in flight and is not
+        a daemon, so an exiting interpreter waits for it to free the batch's tensors instead of killing it midway
+        (which aborts the process)."""
         while True:
-            first = self._incoming.get()
+            with self._start_lock:
+                try:
+                    first = self._incoming.get_nowait()
+                except queue.Empty:
+                    self._worker = None
+                    return
             with self.engine._lock:
                 self._busy_period(first)
 
