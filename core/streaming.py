@@ -21,8 +21,9 @@ DONE = object()
 
 def drive_in_thread(make_events: Callable[[], Generator], hand_over: Callable[[Any], None], stopped: threading.Event,
                     name: str) -> None:
-    """In a daemon thread, make the events and hand each one over, then the error if one is raised, then DONE;
-    once `stopped` is set, close the events before the next one."""
+    """In a worker thread, make the events and hand each one over, then the error if one is raised, then DONE;
+    once `stopped` is set, close the events before the next one. Not a daemon: an exiting interpreter waits for the
+    decode to stop (at its next event once stopped) rather than killing it inside a model call, which aborts."""
 
     def drive() -> None:
         try:
@@ -35,11 +36,11 @@ def drive_in_thread(make_events: Callable[[], Generator], hand_over: Callable[[A
             hand_over(error)
         hand_over(DONE)
 
-    threading.Thread(target=drive, name=name, daemon=True).start()
+    threading.Thread(target=drive, name=name).start()
 
 
 def in_worker_thread(events: Generator[T, None, None]) -> Iterator[T]:
-    """Yield what `events` yields, driving it in a daemon thread; its errors are raised here."""
+    """Yield what `events` yields, driving it in a worker thread; its errors are raised here."""
     handed: queue.SimpleQueue = queue.SimpleQueue()
     stopped = threading.Event()
     drive_in_thread(lambda: events, handed.put, stopped, "adafuse-stream")
