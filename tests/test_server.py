@@ -119,6 +119,8 @@ def test_bad_requests_name_the_problem(url):
     assert missing.status_code == 422 and missing.json()["error"]["param"] == "messages"
     empty = httpx.post(url + "/v1/completions", json={"prompt": "   "})
     assert empty.status_code == 400 and "prompt is empty" in empty.json()["error"]["message"]
+    second_empty = httpx.post(url + "/v1/completions", json={"prompt": [PROMPTS[0], " "], "max_tokens": 4}, timeout=60)
+    assert second_empty.status_code == 400 and "prompt is empty" in second_empty.json()["error"]["message"]
     unknown = httpx.post(url + "/v1/completions", json={"prompt": "x", "model": "gpt-9"})
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "model"
     too_long = httpx.post(url + "/v1/completions", json={"prompt": "word " * 3000})
