@@ -16,7 +16,7 @@ FusionUnit = Literal["word", "token"]
 Scoring = Literal["mean", "competence"]
 SpanNormalization = Literal["token", "char", "total"]
 
-__all__ = ["DecodingMode", "FusionConfig", "SamplingFilter"]
+__all__ = ["DECODING_PARAMETERS", "DecodingMode", "FusionConfig", "SamplingFilter"]
 
 # Fields whose None is a setting (off), so an override of None replaces them instead of being ignored.
 _NULLABLE = ("fixed_span_words", "max_rounds", "model_weights", "fusion_gate", "token_adapter", "sequence_adapter",
@@ -200,16 +200,19 @@ class FusionConfig:
 
     def update(self, **overrides: Any) -> "FusionConfig":
         """A copy with the given fields replaced; unknown names raise ValueError."""
-        known = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(overrides) - known)
+        unknown = sorted(set(overrides) - DECODING_PARAMETERS)
         if unknown:
-            raise ValueError(f"unknown decoding parameter(s) {unknown}; known: {sorted(known)}")
+            raise ValueError(f"unknown decoding parameter(s) {unknown}; known: {sorted(DECODING_PARAMETERS)}")
         if isinstance(overrides.get("stop"), str):
             overrides["stop"] = [overrides["stop"]]
         return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None or k in _NULLABLE})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+DECODING_PARAMETERS = frozenset(f.name for f in dataclasses.fields(FusionConfig))
+"""The names a call may override (`FusionConfig.update`, the server's request fields)."""
 
 
 _LIST_ITEMS = {float: "numbers", str: "strings"}

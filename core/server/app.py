@@ -8,7 +8,6 @@ next step. Bad input is a 400 or 422 naming the field, in OpenAI's error shape.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import re
 import weakref
@@ -20,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..chat import Chat
-from ..config import FusionConfig
+from ..config import DECODING_PARAMETERS
 from ..result import GenerationResult
 from ..streaming import iterate_in_thread
 from ..tools import ReplyStream
@@ -32,7 +31,6 @@ __all__ = ["create_app"]
 
 logger = logging.getLogger(__name__)
 
-_DECODING_FIELDS = frozenset(f.name for f in dataclasses.fields(FusionConfig))
 Events = AsyncIterator[str | GenerationResult]
 Release = Callable[[], None]
 Body = CompletionRequest | ChatCompletionRequest
@@ -236,10 +234,10 @@ def _named_field(error: Exception) -> str | None:
 def _options(body: Body, budget: int | None) -> dict[str, Any]:
     """The engine overrides of a request: its budget, stops and seed, and any FusionConfig fields it sent."""
     extras = body.extras()
-    ignored = sorted(set(extras) - _DECODING_FIELDS)
+    ignored = sorted(set(extras) - DECODING_PARAMETERS)
     if ignored:
         logger.debug("ignoring request fields %s", ignored)
-    options = {k: v for k, v in extras.items() if k in _DECODING_FIELDS}
+    options = {k: v for k, v in extras.items() if k in DECODING_PARAMETERS}
     if budget is not None:
         options["max_new_tokens"] = budget
     if body.stop is not None:

@@ -24,11 +24,11 @@ class Reply:
 
     prefix: str
     model: str
-    id: str = ""
+    id: str = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
-        self.id = self.id or f"{self.prefix}-{uuid.uuid4().hex}"
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
 
     def body(self, kind: str, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
