@@ -19,7 +19,7 @@ SpanNormalization = Literal["token", "char", "total"]
 __all__ = ["DECODING_PARAMETERS", "DecodingMode", "FusionConfig", "SamplingFilter"]
 
 # Fields whose None is a setting (off), so an override of None replaces them instead of being ignored.
-_NULLABLE = ("fixed_span_words", "max_rounds", "model_weights", "fusion_gate", "token_adapter", "sequence_adapter",
+_NULLABLE = ("fixed_span_words", "max_rounds", "veto_margin", "model_weights", "fusion_gate", "token_adapter", "sequence_adapter",
              "json_schema", "regex")
 
 
@@ -62,6 +62,9 @@ class FusionConfig:
         competence_sharpness: how fast a model's weight falls with its prompt NLL per character (nats/char).
         span_normalization: each model's NLL of a candidate per token ("token", the paper), per character
             ("char") or in total ("total", the span's joint probability).
+        veto_margin: when set, a candidate whose NLL under the most-weighted model exceeds that model's NLL of its
+            favourite candidate by more than this (in the unit of `span_normalization`) cannot win: the model
+            trusted most vetoes what it finds much less likely, whatever the others say. None: no veto.
         max_new_tokens: budget counted in tokens of the first model.
         max_rounds: optional cap on decoding rounds.
         max_word_tokens: the most tokens one word may take before it is cut (guards runaway words).
@@ -98,6 +101,7 @@ class FusionConfig:
     scoring: Scoring = "competence"
     competence_sharpness: float = 10.0
     span_normalization: SpanNormalization = "token"
+    veto_margin: float | None = None
     max_new_tokens: int = 64
     max_rounds: int | None = None
     max_word_tokens: int = 24
@@ -151,6 +155,7 @@ class FusionConfig:
             ("scoring", self.scoring in ("mean", "competence"), "'mean' or 'competence'"),
             ("span_normalization", self.span_normalization in ("token", "char", "total"), "'token', 'char' or 'total'"),
             ("competence_sharpness", self.competence_sharpness >= 0, "at least 0"),
+            ("veto_margin", self.veto_margin is None or self.veto_margin >= 0, "None or at least 0"),
             ("token_top_k", self.token_top_k >= 1, "at least 1"),
             ("stop", all(self.stop), "a list of non-empty strings"),
             ("num_samples", self.num_samples == 1 or (self.num_samples > 1 and self.samples_adaptively),

@@ -6,7 +6,7 @@ import torch
 
 from adafuse import AdaFuse, FusionConfig
 from adafuse.backend import ModelBackend
-from adafuse.fusion.scoring import competence_weights, demonstration_spans, nats_per_char, scored_tokens
+from adafuse.fusion.scoring import chosen_candidate, competence_weights, demonstration_spans, nats_per_char, scored_tokens
 from conftest import _llama
 
 FEW_SHOT = "Question: one\nAnswer:{}\n\nQuestion: two\nAnswer:"
@@ -107,7 +107,32 @@ def test_zero_sharpness_reproduces_the_equal_mean_exactly(pair):
             [c.score for r in b.trace for c in r.candidates], abs=1e-6)
 
 
-@pytest.mark.parametrize("bad", [{"scoring": "vote"}, {"competence_sharpness": -1.0}, {"competence_sharpness": math.nan},
+def test_the_most_weighted_model_vetoes_candidates_beyond_the_margin():
+    nll = [[0.2, 3.0], [2.0, 0.1], [0.5, 1.0]]  # per candidate: model 0's NLL, model 1's
+    fused = [1.6, 1.05, 0.75]
+    assert chosen_candidate(nll, fused, torch.tensor([0.5, 0.5]), None) == 2
+    assert chosen_candidate(nll, fused, torch.tensor([0.8, 0.2]), 0.2) == 0  # only 0.2 and 0.5 - 0.3 > 0.2 are out
+    assert chosen_candidate(nll, fused, torch.tensor([0.8, 0.2]), 0.3) == 2
+    assert chosen_candidate(nll, fused, torch.tensor([0.2, 0.8]), 0.0) == 1  # model 1 leads: its favourite only
+    assert chosen_candidate(nll, fused, torch.tensor([0.5, 0.5]), 0.0) == 0  # a tie: the first model leads
+
+
+def _overruled_rounds(results, lead: str) -> int:
+    """Rounds whose chosen candidate has a higher NLL under `lead` than the lead's favourite candidate."""
+    return sum(next(c for c in r.candidates if c.text == r.chosen).nll[lead] > min(c.nll[lead] for c in r.candidates) + 1e-6
+               for result in results for r in result.trace)
+
+
+def test_a_zero_veto_margin_leaves_the_leading_model_its_favourite_every_round(pair):
+    prompts = [FEW_SHOT.format(" Paris is big"), "Question: what is the capital of France?\nAnswer:", "The cat"]
+    options = dict(trace=True, max_new_tokens=16, tau_delta=1.0, scoring="mean")  # equal weights: the first model leads
+    free = pair.generate(prompts, **options)
+    assert _overruled_rounds(free, pair.model_names[0]) > 0
+    assert _overruled_rounds(pair.generate(prompts, veto_margin=0.0, **options), pair.model_names[0]) == 0
+    assert [r.text for r in pair.generate(prompts, veto_margin=1e9, **options)] == [r.text for r in free]
+
+
+@pytest.mark.parametrize("bad", [{"veto_margin": -0.1}, {"veto_margin": math.nan}, {"scoring": "vote"}, {"competence_sharpness": -1.0}, {"competence_sharpness": math.nan},
                                  {"model_weights": [1.0, math.nan]}, {"model_weights": [1.0, math.inf]},
                                  {"competence_sharpness": "x"}, {"model_weights": ["a", 1.0]}, {"span_normalization": "word"}])
 def test_bad_scoring_parameters_are_named(pair, bad):

@@ -16,7 +16,7 @@ from .candidates import Candidate, CandidatePool
 from .constrained import close_constrained, constrained_candidates
 from .gate import GateSession
 from .proposals import RowProposals, propose_row
-from .scoring import span_nll
+from .scoring import chosen_candidate, span_nll
 from .state import RowState
 from .stopping import append_span
 from .token_level import token_candidates, token_scores
@@ -64,7 +64,7 @@ def _rounds(r: int, state: RowState, context: RoundContext) -> RowTask:
             logger.warning("no model proposed any text; ending the generation")
             state.finish_reason = "eos"
             return
-        chosen = pool[min(range(len(pool)), key=lambda c: scores[1][c])]
+        chosen = pool[chosen_candidate(*scores, state.weights, config.veto_margin)]
         _record_round(state, context.backends, proposals, pool, scores, chosen)
         piece = append_span(state, chosen, config, context.backends[0])
         if piece:

@@ -19,7 +19,7 @@ from ..prompts import Prompt
 from ..runtime import TokenTree
 from .state import CompetenceMarks
 
-__all__ = ["competence_marks", "competence_weights", "demonstration_spans", "nats_per_char", "row_weights", "scored_tokens",
+__all__ = ["chosen_candidate", "competence_marks", "competence_weights", "demonstration_spans", "nats_per_char", "row_weights", "scored_tokens",
            "span_nll", "total_nll"]
 
 
@@ -64,6 +64,20 @@ def competence_weights(prior: torch.Tensor, nats: Sequence[float], sharpness: fl
         return prior
     weights = prior * torch.exp(-sharpness * (values - values.min()))
     return weights / weights.sum()
+
+
+def chosen_candidate(nll: Sequence[Sequence[float]], fused: Sequence[float], weights: torch.Tensor,
+                     veto_margin: float | None) -> int:
+    """Index of the candidate with the lowest fused score among those the most-weighted model (the first on a tie)
+    does not veto: with a `veto_margin`, a candidate whose NLL under that model exceeds the model's NLL of its
+    favourite candidate by more than the margin cannot win, so weaker models can only choose among spans the
+    trusted one finds nearly as likely as its own best."""
+    allowed = list(range(len(fused)))
+    if veto_margin is not None and len(fused) > 1:
+        lead = int(torch.argmax(weights))
+        best = min(row[lead] for row in nll)
+        allowed = [c for c in allowed if nll[c][lead] <= best + veto_margin]
+    return min(allowed, key=lambda c: fused[c])
 
 
 def span_nll(backend: Backend, batch: TokenTree, row: int, tokens: list[int], text: str, ends: bool,
