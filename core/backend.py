@@ -14,7 +14,7 @@ from .chat import Chat, Message, render_chat
 from .kernels import prepare_for_cpu
 from .models import load_model
 from .runtime import ModelRunner, OutputHead, PromptPrefixCache, TokenTree, TreeBatch, prefill
-from .words import word_start_table
+from .words import blank_token_table, word_start_table
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ class Backend(ABC):
         self.vocab_size, self.context_window, self.device = vocab_size, context_window, device
         self.counters = {"forward_passes": 0, "tokens": 0}
         self.starts_word = word_start_table(tokenizer, vocab_size).to(device)
+        self.blank = blank_token_table(tokenizer, vocab_size).to(device)
         self.end_ids = self._end_token_ids(generation_config)
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.end_ids)
         self._piece_cache: dict[str, list[int]] = {}

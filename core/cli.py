@@ -33,7 +33,7 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--competence-sharpness", type=float, default=defaults.competence_sharpness,
                         help="how fast a model's weight falls per nat/char it trails the best model by")
     parser.add_argument("--veto-margin", type=float, default=defaults.veto_margin,
-                        help="NLL per token by which a candidate may trail the most-weighted model's favourite and still win")
+                        help="NLL (in the unit of span_normalization) by which a candidate may trail the most-weighted model's favourite and still win")
     parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
     parser.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable; use '\\n' for newline)")
     parser.add_argument("--seed", type=int, default=defaults.seed)

@@ -60,8 +60,8 @@ class FusionConfig:
             exp(-competence_sharpness * (the model's prompt NLL per character - the best model's)), so the
             model that predicts the prompt best counts most (see `adafuse.fusion.scoring`).
         competence_sharpness: how fast a model's weight falls with its prompt NLL per character (nats/char).
-        span_normalization: each model's NLL of a candidate per token ("token", the paper), per character
-            ("char") or in total ("total", the span's joint probability).
+        span_normalization: each model's NLL of a candidate in total ("total", the span's joint probability:
+            a longer candidate must earn each extra word), per token ("token", the paper) or per character ("char").
         veto_margin: when set, a candidate whose NLL under the most-weighted model exceeds that model's NLL of its
             favourite candidate by more than this (in the unit of `span_normalization`) cannot win: the model
             trusted most vetoes what it finds much less likely, whatever the others say. None: no veto.
@@ -100,7 +100,7 @@ class FusionConfig:
     model_weights: list[float] | None = None
     scoring: Scoring = "competence"
     competence_sharpness: float = 10.0
-    span_normalization: SpanNormalization = "token"
+    span_normalization: SpanNormalization = "total"
     veto_margin: float | None = None
     max_new_tokens: int = 64
     max_rounds: int | None = None

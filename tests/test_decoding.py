@@ -59,6 +59,28 @@ def test_single_branch_disables_exploration(llama_backend):
     assert len(row.proposals) == 1 and not row.explored
 
 
+def _one_hot_logprobs(backend, token):
+    """Log-scores with `token` first, by a margin below 1 (so below τΔ = 1: never confident)."""
+    logprobs = torch.full((backend.vocab_size,), -5.0)
+    logprobs[token] = 0.0
+    return logprobs
+
+
+@pytest.mark.parametrize("first", ["Ċ", "Question"])
+def test_leading_whitespace_belongs_to_the_next_word(llama_backend, first):
+    """A line break alone is not a word: the span goes on through the next word start, and ends at the one after."""
+    vocab = llama_backend.tokenizer.get_vocab()
+    assert llama_backend.blank[vocab["Ċ"]] and not llama_backend.blank[vocab["Ġwho"]]
+    greedy = [vocab["Ġwho"], vocab["Ġthe"]]
+    run = propose_row(llama_backend, _one_hot_logprobs(llama_backend, vocab[first]), None,
+                      FusionConfig(tau_delta=1.0, num_branches=1), 50)
+    run.send(None)
+    with pytest.raises(StopIteration) as done:
+        for token in greedy:
+            run.send(([0], _one_hot_logprobs(llama_backend, token)[None], None))
+    assert done.value.value.proposals[0].tokens == ([vocab[first], greedy[0]] if first == "Ċ" else [vocab[first]])
+
+
 def test_sampling_exploration_draws_distinct_first_tokens(llama_backend):
     batch = llama_backend.start([llama_backend.encode_prompt(PROMPT)])
     config = FusionConfig(tau_delta=1.0, num_branches=3, exploration="sample", top_k=10)

@@ -26,7 +26,9 @@ def test_scored_tokens_and_nats_per_char_by_hand():
     assert scored == [False, False, False, True, False, False]  # only the token starting inside " bc"
     nll = [math.nan, 1.0, 2.0, 3.0, 4.0, 5.0]
     assert nats_per_char(nll, scored, offsets) == pytest.approx(3.0 / 3)
-    assert scored_tokens("no demonstrations here\n", [(0, 0), (0, 2), (2, 5)]) == [False, True, True]
+    zero_shot = "Translate:\nHallo Welt\n"  # no demonstrations: the instructions (every line but the input) count
+    assert scored_tokens(zero_shot, [(0, 0), (0, 9), (9, 11), (11, 16), (16, 22)]) == [False, True, True, False, False]
+    assert scored_tokens("a single line\n", [(0, 0), (0, 2), (2, 5)]) == [False, False, False]
     assert nats_per_char([math.nan, 2.0, 4.0], [False, True, True], [(0, 0), (0, 2), (2, 5)]) == pytest.approx(6.0 / 5)
     assert scored_tokens(text, None) == [] and math.isnan(nats_per_char(nll, [], None))
 

@@ -32,6 +32,7 @@ class _Branch:
     node: int = -1
     words: int = 1
     word_tokens: int = 1
+    blank: bool = False  # whether the current word is only whitespace so far (it goes on through a word start)
     ends: bool = False
     done: bool = False
 
@@ -82,6 +83,8 @@ def propose_row(
         branches = [_Branch([firsts[0]], explored=False, confident=confident)]
     else:
         branches = [_Branch([token], explored=True, confident=False) for token in first_tokens(root_logprobs, config, generator)]
+    for branch in branches:
+        branch.blank = bool(backend.blank[branch.tokens[0]])
     end_ids = set(backend.end_ids)
     for branch in branches:
         if branch.tokens[0] in end_ids:
@@ -102,6 +105,7 @@ def propose_row(
                 branch = live[i]
                 branch.tokens.append(next_tokens[i])
                 branch.words, branch.word_tokens, branch.confident = branch.words + 1, 1, sure
+                branch.blank = bool(backend.blank[next_tokens[i]])
 
     return RowProposals(
         proposals=[Proposal(b.tokens, b.ends, b.words, b.explored) for b in branches],
@@ -139,7 +143,7 @@ def _advance(branch: _Branch, token: int, backend: Backend, config: FusionConfig
     """Extend a branch by its greedy next token or finish it at a word boundary / end token / budget.
 
     Returns True when the token opens a new word the span goes on with (the caller appends it once the
-    confidence for that word is known).
+    confidence for that word is known). A word that is only whitespace so far goes on through a word start.
     """
     if token in end_ids:
         branch.ends, branch.done = True, True
@@ -147,7 +151,7 @@ def _advance(branch: _Branch, token: int, backend: Backend, config: FusionConfig
     if len(branch.tokens) >= budget:
         branch.done = True
         return False
-    if bool(backend.starts_word[token]):
+    if bool(backend.starts_word[token]) and not branch.blank:
         if config.fixed_span_words is not None:
             keep_going = branch.words < config.fixed_span_words
         else:
@@ -160,4 +164,5 @@ def _advance(branch: _Branch, token: int, backend: Backend, config: FusionConfig
         return False
     branch.tokens.append(token)
     branch.word_tokens += 1
+    branch.blank = branch.blank and bool(backend.blank[token])
     return False

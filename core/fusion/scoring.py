@@ -3,7 +3,9 @@
 "mean" is the paper's rule: fixed weights (`model_weights`, equal by default). "competence" scales them, per
 prompt, by how well each model predicts the prompt's own demonstrations: the spans that follow earlier
 occurrences of the cue the prompt ends with (the few-shot answers after "Answer:", earlier assistant turns), or,
-in a prompt without any (zero-shot), the whole prompt. A model that predicts worked answers of this task worse
+in a prompt without any (zero-shot), its instructions: every line but the last, which is the input to answer.
+The input itself is left out because a model that merely knows its language (the German source of a
+translation) is not thereby better at the task. A model that predicts worked answers of this task worse
 than another is less likely to be right about the next one, and its confident candidates should not outvote
 the other's. It needs no labels: only prompt tokens' NLLs, scored in the prefill that encodes the prompt.
 """
@@ -41,9 +43,10 @@ def demonstration_spans(text: str) -> list[tuple[int, int]]:
 
 def scored_tokens(text: str, offsets: Sequence[tuple[int, int]] | None) -> list[bool]:
     """Which prompt tokens (by their character offsets) measure competence: those starting inside a
-    demonstration, or every token of a prompt without any (none where the offsets are unknown)."""
-    spans = demonstration_spans(text)
-    return [end > begin and (not spans or any(a <= begin < b for a, b in spans)) for begin, end in offsets or []]
+    demonstration or, in a prompt without any, in its instructions (every line before the last one); none where
+    the offsets are unknown."""
+    spans = demonstration_spans(text) or [(0, text.rstrip().rfind("\n") + 1)]
+    return [end > begin and any(a <= begin < b for a, b in spans) for begin, end in offsets or []]
 
 
 def nats_per_char(token_nll: Sequence[float], scored: Sequence[bool], offsets: Sequence[tuple[int, int]] | None) -> float:
