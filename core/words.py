@@ -1,6 +1,8 @@
 """Word boundaries read from a tokenizer's vocabulary, so models with different tokenizers align on words."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -18,12 +20,7 @@ def word_start_table(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> tor
     A word ends where the next token starts a new word, so whole words can be proposed token by token
     without generating a fixed number of tokens and splitting text afterwards.
     """
-    table = torch.zeros(vocab_size, dtype=torch.bool)
-    special = set(tokenizer.all_special_ids)
-    for piece, index in tokenizer.get_vocab().items():
-        if index < vocab_size and index not in special and piece.startswith(_WORD_START_PREFIXES):
-            table[index] = True
-    return table
+    return _vocabulary_table(tokenizer, vocab_size, lambda piece: piece.startswith(_WORD_START_PREFIXES))
 
 
 def blank_token_table(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> torch.Tensor:
@@ -32,10 +29,15 @@ def blank_token_table(tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> to
     Whitespace belongs to the word it precedes ("\\n\\nThe" is one word), so no model proposes a bare line break
     as a word of its own: such a span is never comparable with another model's whole word.
     """
+    return _vocabulary_table(tokenizer, vocab_size,
+                             lambda piece: bool(piece) and (piece in _BLANK_BYTE_PIECES or not piece.strip(_BLANK_MARKERS)))
+
+
+def _vocabulary_table(tokenizer: PreTrainedTokenizerBase, vocab_size: int, marks: Callable[[str], bool]) -> torch.Tensor:
+    """True for each ordinary (non-special) token within `vocab_size` whose piece `marks` accepts."""
     table = torch.zeros(vocab_size, dtype=torch.bool)
     special = set(tokenizer.all_special_ids)
     for piece, index in tokenizer.get_vocab().items():
-        if index < vocab_size and index not in special and piece and (
-                piece in _BLANK_BYTE_PIECES or not piece.strip(_BLANK_MARKERS)):
+        if index < vocab_size and index not in special and marks(piece):
             table[index] = True
     return table

@@ -32,7 +32,6 @@ class _Branch:
     node: int = -1
     words: int = 1
     word_tokens: int = 1
-    blank: bool = False  # whether the current word is only whitespace so far (it goes on through a word start)
     ends: bool = False
     done: bool = False
 
@@ -83,8 +82,6 @@ def propose_row(
         branches = [_Branch([firsts[0]], explored=False, confident=confident)]
     else:
         branches = [_Branch([token], explored=True, confident=False) for token in first_tokens(root_logprobs, config, generator)]
-    for branch in branches:
-        branch.blank = bool(backend.blank[branch.tokens[0]])
     end_ids = set(backend.end_ids)
     for branch in branches:
         if branch.tokens[0] in end_ids:
@@ -105,7 +102,6 @@ def propose_row(
                 branch = live[i]
                 branch.tokens.append(next_tokens[i])
                 branch.words, branch.word_tokens, branch.confident = branch.words + 1, 1, sure
-                branch.blank = bool(backend.blank[next_tokens[i]])
 
     return RowProposals(
         proposals=[Proposal(b.tokens, b.ends, b.words, b.explored) for b in branches],
@@ -151,7 +147,7 @@ def _advance(branch: _Branch, token: int, backend: Backend, config: FusionConfig
     if len(branch.tokens) >= budget:
         branch.done = True
         return False
-    if bool(backend.starts_word[token]) and not branch.blank:
+    if bool(backend.starts_word[token]) and not _word_is_blank(branch, backend):
         if config.fixed_span_words is not None:
             keep_going = branch.words < config.fixed_span_words
         else:
@@ -164,5 +160,9 @@ def _advance(branch: _Branch, token: int, backend: Backend, config: FusionConfig
         return False
     branch.tokens.append(token)
     branch.word_tokens += 1
-    branch.blank = branch.blank and bool(backend.blank[token])
     return False
+
+
+def _word_is_blank(branch: _Branch, backend: Backend) -> bool:
+    """Whether the branch's current word is only whitespace so far (its last `word_tokens` tokens)."""
+    return bool(backend.blank[branch.tokens[-branch.word_tokens:]].all())
