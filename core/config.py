@@ -59,7 +59,8 @@ class FusionConfig:
             `model_weights`; "competence" multiplies those weights, per prompt, by
             exp(-competence_sharpness * (the model's prompt NLL per character - the best model's)), so the
             model that predicts the prompt best counts most (see `adafuse.fusion.scoring`).
-        competence_sharpness: how fast a model's weight falls with its prompt NLL per character (nats/char).
+        competence_sharpness: how fast a model's weight falls with its prompt NLL per character (nats/char);
+            at 30 a model 0.1 nats/char behind the best counts exp(-3), a twentieth, as much.
         span_normalization: each model's NLL of a candidate in total ("total", the span's joint probability:
             a longer candidate must earn each extra word), per token ("token", the paper) or per character ("char").
         veto_margin: when set, a candidate whose NLL under the most-weighted model exceeds that model's NLL of its
@@ -99,7 +100,7 @@ class FusionConfig:
     fixed_span_words: int | None = None
     model_weights: list[float] | None = None
     scoring: Scoring = "competence"
-    competence_sharpness: float = 10.0
+    competence_sharpness: float = 30.0
     span_normalization: SpanNormalization = "total"
     veto_margin: float | None = None
     max_new_tokens: int = 64
