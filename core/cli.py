@@ -32,6 +32,8 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
                         help="mean: the paper's weighted mean NLL; competence: weights scaled per prompt by each model's NLL of its demonstrations")
     parser.add_argument("--competence-sharpness", type=float, default=defaults.competence_sharpness,
                         help="how fast a model's weight falls per nat/char it trails the best model by")
+    parser.add_argument("--confidence-sharpness", type=float, default=defaults.confidence_sharpness,
+                        help="per round, how fast a model's weight falls with its NLL of its likeliest candidate (0: off)")
     parser.add_argument("--veto-margin", type=float, default=defaults.veto_margin,
                         help="NLL (in the unit of span_normalization) by which a candidate may trail the most-weighted model's favourite and still win")
     parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
@@ -72,6 +74,7 @@ def _config(args: argparse.Namespace) -> FusionConfig:
         model_weights=args.weights,
         scoring=args.scoring,
         competence_sharpness=args.competence_sharpness,
+        confidence_sharpness=args.confidence_sharpness,
         veto_margin=args.veto_margin,
         max_new_tokens=args.max_new_tokens,
         stop=[_unescape(s) for s in args.stop],

@@ -61,6 +61,10 @@ class FusionConfig:
             model that predicts the prompt best counts most (see `adafuse.fusion.scoring`).
         competence_sharpness: how fast a model's weight falls with its prompt NLL per character (nats/char);
             at 30 a model 0.1 nats/char behind the best counts exp(-3), a twentieth, as much.
+        confidence_sharpness: per word round, each model's weight is further scaled by
+            exp(-confidence_sharpness * its NLL of the candidate it finds likeliest) (in the unit of
+            `span_normalization`): a model that finds none of the round's candidates likely (it does not know
+            this answer) counts less in that round. 0, the default, leaves the prompt's weights.
         span_normalization: each model's NLL of a candidate in total ("total", the span's joint probability:
             a longer candidate must earn each extra word), per token ("token", the paper) or per character ("char").
         veto_margin: when set, a candidate whose NLL under the most-weighted model exceeds that model's NLL of its
@@ -101,6 +105,7 @@ class FusionConfig:
     model_weights: list[float] | None = None
     scoring: Scoring = "competence"
     competence_sharpness: float = 30.0
+    confidence_sharpness: float = 0.0
     span_normalization: SpanNormalization = "total"
     veto_margin: float | None = None
     max_new_tokens: int = 64
@@ -156,6 +161,7 @@ class FusionConfig:
             ("scoring", self.scoring in ("mean", "competence"), "'mean' or 'competence'"),
             ("span_normalization", self.span_normalization in ("token", "char", "total"), "'token', 'char' or 'total'"),
             ("competence_sharpness", self.competence_sharpness >= 0, "at least 0"),
+            ("confidence_sharpness", self.confidence_sharpness >= 0, "at least 0"),
             ("veto_margin", self.veto_margin is None or self.veto_margin >= 0, "None or at least 0"),
             ("token_top_k", self.token_top_k >= 1, "at least 1"),
             ("stop", all(self.stop), "a list of non-empty strings"),

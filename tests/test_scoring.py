@@ -6,7 +6,7 @@ import torch
 
 from adafuse import AdaFuse, FusionConfig
 from adafuse.backend import ModelBackend
-from adafuse.fusion.scoring import chosen_candidate, competence_weights, demonstration_spans, nats_per_char, scored_tokens
+from adafuse.fusion.scoring import chosen_candidate, competence_weights, confident_weights, demonstration_spans, nats_per_char, scored_tokens
 from conftest import _llama
 
 FEW_SHOT = "Question: one\nAnswer:{}\n\nQuestion: two\nAnswer:"
@@ -109,6 +109,29 @@ def test_zero_sharpness_reproduces_the_equal_mean_exactly(pair):
             [c.score for r in b.trace for c in r.candidates], abs=1e-6)
 
 
+def test_confident_weights_formula():
+    weights = torch.tensor([0.8, 0.2])
+    nll = [[2.0, 0.5], [3.0, 0.7], [2.5, 1.5]]  # per candidate: model 0's NLL, model 1's; favourites 2.0 and 0.5
+    scaled = confident_weights(weights, nll, sharpness=1.0)
+    assert scaled[0] / scaled[1] == pytest.approx(4.0 * math.exp(-1.5))
+    assert scaled.sum() == pytest.approx(1.0)
+    assert torch.equal(confident_weights(weights, nll, 0.0), weights)
+    assert torch.equal(confident_weights(weights, nll[:1], 5.0), weights)  # a lone candidate: nothing to weigh
+
+
+def test_confidence_scaled_scores_match_a_direct_computation(pair):
+    prompts = [FEW_SHOT.format(" Paris is big"), "The cat"]
+    results = pair.generate(prompts, trace=True, max_new_tokens=12, tau_delta=1.0, scoring="mean", confidence_sharpness=2.0)
+    names, moved = pair.model_names, 0
+    for result in results:
+        for round_ in (r for r in result.trace if len(r.candidates) > 1):
+            nll = [[c.nll[name] for name in names] for c in round_.candidates]
+            weights = confident_weights(torch.tensor([0.5, 0.5], dtype=torch.float64), nll, 2.0)
+            moved += abs(float(weights[0]) - 0.5) > 0.01
+            assert [c.score for c in round_.candidates] == pytest.approx([sum(w * x for w, x in zip(weights.tolist(), row)) for row in nll], rel=1e-4)
+    assert moved > 0
+
+
 def test_the_most_weighted_model_vetoes_candidates_beyond_the_margin():
     nll = [[0.2, 3.0], [2.0, 0.1], [0.5, 1.0]]  # per candidate: model 0's NLL, model 1's
     fused = [1.6, 1.05, 0.75]
@@ -135,6 +158,7 @@ def test_a_zero_veto_margin_leaves_the_leading_model_its_favourite_every_round(p
 
 
 @pytest.mark.parametrize("bad", [{"veto_margin": -0.1}, {"veto_margin": math.nan}, {"scoring": "vote"}, {"competence_sharpness": -1.0}, {"competence_sharpness": math.nan},
+                                 {"confidence_sharpness": -1.0}, {"confidence_sharpness": math.inf},
                                  {"model_weights": [1.0, math.nan]}, {"model_weights": [1.0, math.inf]},
                                  {"competence_sharpness": "x"}, {"model_weights": ["a", 1.0]}, {"span_normalization": "word"}])
 def test_bad_scoring_parameters_are_named(pair, bad):

@@ -45,6 +45,7 @@ def ensemble_of(method: str, model_names: list[str]) -> list[str]:
 
 _ADAFUSE_OPTIONS = {"tau": ("tau_delta", float), "B": ("num_branches", int), "gate": ("fusion_gate", str),
                     "scoring": ("scoring", str), "sharpness": ("competence_sharpness", float),
+                    "confidence": ("confidence_sharpness", float),
                     "norm": ("span_normalization", str), "veto": ("veto_margin", float)}
 
 
@@ -79,7 +80,7 @@ def engine_overrides(method: str, model_names: list[str]) -> dict[str, Any]:
             return overrides
     raise ValueError(
         f"unknown method {method!r}: use single:<model> ({', '.join(model_names)}), adafuse, adafuse:tau=X, "
-        f"adafuse:B=N, adafuse:gate=<folder or shipped name>, adafuse:scoring=mean|competence, adafuse:sharpness=X, adafuse:norm=token|char|total, adafuse:veto=X, "
+        f"adafuse:B=N, adafuse:gate=<folder or shipped name>, adafuse:scoring=mean|competence, adafuse:sharpness=X, adafuse:confidence=X, adafuse:norm=token|char|total, adafuse:veto=X, "
         f"several joined by ';' (adafuse:norm=char;scoring=mean), "
         f"fixed:N, unite, rerank (any fused one with @model+model), or the groups single, ablations, baselines, sweep, all"
     )

@@ -16,7 +16,7 @@ from .candidates import Candidate, CandidatePool
 from .constrained import close_constrained, constrained_candidates
 from .gate import GateSession
 from .proposals import RowProposals, propose_row
-from .scoring import chosen_candidate, span_nll
+from .scoring import chosen_candidate, confident_weights, span_nll
 from .state import RowState
 from .stopping import append_span
 from .token_level import token_candidates, token_scores
@@ -177,6 +177,7 @@ def _score(context: RoundContext, r: int, pool: list[Candidate], paths: list[lis
         for backend, batch, model_paths in zip(context.backends, context.scheduler.batches, paths)
     ]
     nll = [[per_model[m][c] for m in range(len(context.backends))] for c in range(len(pool))]
+    weights = confident_weights(weights, nll, context.config.confidence_sharpness)
     return nll, [float(torch.tensor(n) @ weights) for n in nll]
 
 

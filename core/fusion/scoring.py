@@ -21,7 +21,7 @@ from ..prompts import Prompt
 from ..runtime import TokenTree
 from .state import CompetenceMarks
 
-__all__ = ["chosen_candidate", "competence_marks", "competence_weights", "demonstration_spans", "nats_per_char", "row_weights", "scored_tokens",
+__all__ = ["chosen_candidate", "competence_marks", "competence_weights", "confident_weights", "demonstration_spans", "nats_per_char", "row_weights", "scored_tokens",
            "span_nll", "total_nll"]
 
 
@@ -67,6 +67,18 @@ def competence_weights(prior: torch.Tensor, nats: Sequence[float], sharpness: fl
         return prior
     weights = prior * torch.exp(-sharpness * (values - values.min()))
     return weights / weights.sum()
+
+
+def confident_weights(weights: torch.Tensor, nll: Sequence[Sequence[float]], sharpness: float) -> torch.Tensor:
+    """One round's weights: each model's, scaled by exp(-sharpness * its NLL of its likeliest candidate), normalised.
+    A model that is sure of some candidate keeps its weight; one that finds every candidate unlikely (it does not
+    know this answer, however well it read the demonstrations) gives way to those that know."""
+    if sharpness == 0 or len(nll) < 2:
+        return weights
+    favourite = torch.tensor(nll, dtype=weights.dtype).min(dim=0).values
+    scaled = weights * torch.exp(-sharpness * (favourite - favourite.min()))
+    total = scaled.sum()
+    return scaled / total if torch.isfinite(total) and total > 0 else weights
 
 
 def chosen_candidate(nll: Sequence[Sequence[float]], fused: Sequence[float], weights: torch.Tensor,
