@@ -63,8 +63,8 @@ class FusionConfig:
             at 30 a model 0.1 nats/char behind the best counts exp(-3), a twentieth, as much.
         confidence_sharpness: per word round, each model's weight is further scaled by
             exp(-confidence_sharpness * its NLL of the candidate it finds likeliest) (in the unit of
-            `span_normalization`): a model that finds none of the round's candidates likely (it does not know
-            this answer) counts less in that round. 0, the default, leaves the prompt's weights.
+            `span_normalization`): a model that finds none of the round's candidates likely counts less in that
+            round. 0, the default, leaves the prompt's weights.
         span_normalization: each model's NLL of a candidate in total ("total", the span's joint probability:
             a longer candidate must earn each extra word), per token ("token", the paper) or per character ("char").
         veto_margin: when set, a candidate whose NLL under the most-weighted model exceeds that model's NLL of its

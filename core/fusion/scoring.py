@@ -71,8 +71,9 @@ def competence_weights(prior: torch.Tensor, nats: Sequence[float], sharpness: fl
 
 def confident_weights(weights: torch.Tensor, nll: Sequence[Sequence[float]], sharpness: float) -> torch.Tensor:
     """One round's weights: each model's, scaled by exp(-sharpness * its NLL of its likeliest candidate), normalised.
-    A model that is sure of some candidate keeps its weight; one that finds every candidate unlikely (it does not
-    know this answer, however well it read the demonstrations) gives way to those that know."""
+    A model that is sure of some candidate keeps its weight; one that finds every candidate unlikely gives way in
+    this round, however well it read the demonstrations. Off by default: a weak model can be sure and wrong
+    (SmolLM2 on SQuAD, `reports/eval/RUNS.md`)."""
     if sharpness == 0 or len(nll) < 2:
         return weights
     favourite = torch.tensor(nll, dtype=weights.dtype).min(dim=0).values
