@@ -61,12 +61,14 @@ def nats_per_char(token_nll: Sequence[float], scored: Sequence[bool], offsets: S
 
 def competence_weights(prior: torch.Tensor, nats: Sequence[float], sharpness: float) -> torch.Tensor:
     """`prior * exp(-sharpness * (nats - min nats))`, normalised: a model 0.1 nats/char worse than the best one
-    counts exp(-0.1 * sharpness) times as much. Unknown competence (NaN) leaves the prior."""
+    counts exp(-0.1 * sharpness) times as much. Unknown competence (NaN, or infinite for every model) leaves the
+    prior."""
     values = torch.tensor(list(nats), dtype=prior.dtype)
     if values.isnan().any():
         return prior
     weights = prior * torch.exp(-sharpness * (values - values.min()))
-    return weights / weights.sum()
+    total = weights.sum()
+    return weights / total if torch.isfinite(total) and total > 0 else prior
 
 
 def confident_weights(weights: torch.Tensor, nll: Sequence[Sequence[float]], sharpness: float) -> torch.Tensor:
@@ -76,10 +78,7 @@ def confident_weights(weights: torch.Tensor, nll: Sequence[Sequence[float]], sha
     (SmolLM2 on SQuAD, `reports/eval/RUNS.md`)."""
     if sharpness == 0 or len(nll) < 2:
         return weights
-    favourite = torch.tensor(nll, dtype=weights.dtype).min(dim=0).values
-    scaled = weights * torch.exp(-sharpness * (favourite - favourite.min()))
-    total = scaled.sum()
-    return scaled / total if torch.isfinite(total) and total > 0 else weights
+    return competence_weights(weights, torch.tensor(nll, dtype=weights.dtype).min(dim=0).values.tolist(), sharpness)
 
 
 def chosen_candidate(nll: Sequence[Sequence[float]], fused: Sequence[float], weights: torch.Tensor,
