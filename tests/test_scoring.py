@@ -6,7 +6,8 @@ import torch
 
 from adafuse import AdaFuse, FusionConfig
 from adafuse.backend import ModelBackend
-from adafuse.fusion.scoring import chosen_candidate, competence_weights, confident_weights, demonstration_spans, nats_per_char, scored_tokens
+from adafuse.fusion.scoring import (chosen_candidate, competence_weights, confident_weights, demonstration_spans,
+                                    instructions_end, nats_per_char, scored_tokens)
 from conftest import _llama
 
 FEW_SHOT = "Question: one\nAnswer:{}\n\nQuestion: two\nAnswer:"
@@ -31,6 +32,21 @@ def test_scored_tokens_and_nats_per_char_by_hand():
     assert scored_tokens("a single line\n", [(0, 0), (0, 2), (2, 5)]) == [False, False, False]
     assert nats_per_char([math.nan, 2.0, 4.0], [False, True, True], [(0, 0), (0, 2), (2, 5)]) == pytest.approx(6.0 / 5)
     assert scored_tokens(text, None) == [] and math.isnan(nats_per_char(nll, [], None))
+
+
+def test_a_zero_shot_prompts_instructions_end_where_its_input_begins():
+    assert instructions_end("Translate:\nHallo Welt\n") == len("Translate:\n")  # the input is the last line
+    assert instructions_end("Be brief.\nQuestion: Who?\nAnswer:") == len("Be brief.\n")  # a cue takes the line before
+    assert instructions_end("Question: What is the capital of France?\nAnswer:") == 0  # only the input: nothing to score
+    assert instructions_end("Hallo Welt\n") == 0
+
+
+def test_a_prompt_that_is_only_its_input_keeps_the_prior_weights(pair):
+    prompt = "Question: What is the capital of France?\nAnswer:"
+    weights = pair.generate(prompt, max_new_tokens=2, competence_sharpness=30.0).stats.model_weights
+    assert list(weights.values()) == pytest.approx([0.5, 0.5])
+    instructed = pair.generate("Be brief and exact.\n" + prompt, max_new_tokens=2, competence_sharpness=30.0)
+    assert list(instructed.stats.model_weights.values()) != pytest.approx([0.5, 0.5])  # scored where there is text
 
 
 def test_competence_weights_formula():

@@ -3,11 +3,13 @@
 "mean" is the paper's rule: fixed weights (`model_weights`, equal by default). "competence" scales them, per
 prompt, by how well each model predicts the prompt's own demonstrations: the spans that follow earlier
 occurrences of the cue the prompt ends with (the few-shot answers after "Answer:", earlier assistant turns), or,
-in a prompt without any (zero-shot), its instructions: every line but the last, which is the input to answer.
-The input itself is left out because a model that merely knows its language (the German source of a
-translation) is not thereby better at the task. A model that predicts worked answers of this task worse
-than another is less likely to be right about the next one, and its confident candidates should not outvote
-the other's. It needs no labels: only prompt tokens' NLLs, scored in the prefill that encodes the prompt.
+in a prompt without any (zero-shot), its instructions: every line before the input to answer, which is the last
+line, or the last two when the last is a cue ending in a colon ("Question: ...\nAnswer:"). A prompt that is only
+its input has no instructions, so its weights stay the prior. The input itself is left out because a model that
+merely knows its language (the German source of a translation) is not thereby better at the task. A model that
+predicts worked answers of this task worse than another is less likely to be right about the next one, and its
+confident candidates should not outvote the other's. It needs no labels: only prompt tokens' NLLs, scored in
+the prefill that encodes the prompt.
 """
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ from ..prompts import Prompt
 from ..runtime import TokenTree
 from .state import CompetenceMarks
 
-__all__ = ["chosen_candidate", "competence_marks", "competence_weights", "confident_weights", "demonstration_spans", "nats_per_char", "row_weights", "scored_tokens",
-           "span_nll", "total_nll"]
+__all__ = ["chosen_candidate", "competence_marks", "competence_weights", "confident_weights", "demonstration_spans",
+           "instructions_end", "nats_per_char", "row_weights", "scored_tokens", "span_nll", "total_nll"]
 
 
 def demonstration_spans(text: str) -> list[tuple[int, int]]:
@@ -43,10 +45,17 @@ def demonstration_spans(text: str) -> list[tuple[int, int]]:
 
 def scored_tokens(text: str, offsets: Sequence[tuple[int, int]] | None) -> list[bool]:
     """Which prompt tokens (by their character offsets) measure competence: those starting inside a
-    demonstration or, in a prompt without any, in its instructions (every line before the last one); none where
-    the offsets are unknown."""
-    spans = demonstration_spans(text) or [(0, text.rstrip().rfind("\n") + 1)]
+    demonstration or, in a prompt without any, in its instructions; none where the offsets are unknown."""
+    spans = demonstration_spans(text) or [(0, instructions_end(text))]
     return [end > begin and any(a <= begin < b for a, b in spans) for begin, end in offsets or []]
+
+
+def instructions_end(text: str) -> int:
+    """Where a zero-shot prompt's instructions end: at the start of its input, the last line, or the last two
+    when the last is a cue ending in a colon (its question line and "Answer:"); 0 when the input is all there is."""
+    lines = text.rstrip().split("\n")
+    input_lines = 2 if lines[-1].rstrip().endswith(":") else 1
+    return len("\n".join(lines[:-input_lines])) + 1 if len(lines) > input_lines else 0
 
 
 def nats_per_char(token_nll: Sequence[float], scored: Sequence[bool], offsets: Sequence[tuple[int, int]] | None) -> float:
