@@ -116,6 +116,13 @@ class Backend(ABC):
         """Log-probability of ending the sequence here, over all of this model's end tokens."""
         return torch.logsumexp(logprobs[self.end_ids], dim=-1)
 
+    def without_end(self, logprobs: torch.Tensor) -> torch.Tensor:
+        """Next-token log-distributions (`[..., V]`) with the end tokens taken out and the rest renormalised, as
+        transformers' `MinNewTokensLogitsProcessor` leaves them before an answer reaches `min_new_tokens`."""
+        masked = logprobs.clone()
+        masked[..., self.end_ids] = -torch.inf
+        return masked.log_softmax(dim=-1)
+
     def reset_counters(self) -> dict[str, int]:
         """Return the counters so far and zero them."""
         counts = dict(self.counters)

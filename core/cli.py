@@ -37,6 +37,8 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--veto-margin", type=float, default=defaults.veto_margin,
                         help="NLL (in the unit of span_normalization) by which a candidate may trail the most-weighted model's favourite and still win")
     parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    parser.add_argument("--min-new-tokens", type=int, default=defaults.min_new_tokens,
+                        help="tokens the answer must have before it may end (0: it may be empty)")
     parser.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable; use '\\n' for newline)")
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--fusion-gate", default=None, help="folder or shipped name of a learned gate used instead of --tau-delta")
@@ -77,6 +79,7 @@ def _config(args: argparse.Namespace) -> FusionConfig:
         confidence_sharpness=args.confidence_sharpness,
         veto_margin=args.veto_margin,
         max_new_tokens=args.max_new_tokens,
+        min_new_tokens=args.min_new_tokens,
         stop=[_unescape(s) for s in args.stop],
         seed=args.seed,
         fusion_gate=args.fusion_gate,

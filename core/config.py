@@ -71,6 +71,8 @@ class FusionConfig:
             favourite candidate by more than this (in the unit of `span_normalization`) cannot win: the model
             trusted most vetoes what it finds much less likely, whatever the others say. None: no veto.
         max_new_tokens: budget counted in tokens of the first model.
+        min_new_tokens: no end token is chosen before the answer has this many tokens (of the first model), as in
+            transformers' GenerationConfig: a model whose likeliest first token ends the answer offers words instead.
         max_rounds: optional cap on decoding rounds.
         max_word_tokens: the most tokens one word may take before it is cut (guards runaway words).
         stop: strings that end generation; the text is cut before the first one found.
@@ -109,6 +111,7 @@ class FusionConfig:
     span_normalization: SpanNormalization = "total"
     veto_margin: float | None = None
     max_new_tokens: int = 64
+    min_new_tokens: int = 0
     max_rounds: int | None = None
     max_word_tokens: int = 24
     stop: list[str] = field(default_factory=list)
@@ -154,6 +157,7 @@ class FusionConfig:
             ("min_p", 0.0 <= self.min_p < 1.0, "in [0, 1)"),
             ("fixed_span_words", self.fixed_span_words is None or self.fixed_span_words >= 1, "None or at least 1"),
             ("max_new_tokens", self.max_new_tokens >= 1, "at least 1"),
+            ("min_new_tokens", 0 <= self.min_new_tokens <= self.max_new_tokens, "between 0 and max_new_tokens"),
             ("max_rounds", self.max_rounds is None or self.max_rounds >= 1, "None or at least 1"),
             ("max_word_tokens", self.max_word_tokens >= 1, "at least 1"),
             ("seed", 0 <= self.seed < 2**64, "in [0, 2**64)"),

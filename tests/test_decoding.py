@@ -5,6 +5,7 @@ import torch
 from adafuse import AdaFuse, FusionConfig
 from adafuse.fusion.proposals import propose_row
 from adafuse.runtime.scheduler import Scheduler
+from adafuse.sampling.adaptive import AdaptiveSampler
 from conftest import full_logprobs
 
 PROMPT = "Question: what is the capital of France?\nAnswer:"
@@ -245,3 +246,40 @@ def test_score_gives_each_models_mean_nll_of_whole_answers(pair):
             assert value == pytest.approx(expected, abs=1e-4)
     with pytest.raises(ValueError, match="non-empty"):
         pair.score(PROMPT, [""])
+
+
+def test_a_span_may_not_end_before_min_tokens(llama_backend):
+    """With the end token likeliest, the span starts with the next likeliest token instead, and may end after it."""
+    vocab = llama_backend.tokenizer.get_vocab()
+    logprobs = _one_hot_logprobs(llama_backend, llama_backend.end_ids[0])
+    logprobs[vocab["Ġwho"]] = -1.0
+    config = FusionConfig(tau_delta=1.0, num_branches=1)
+    with pytest.raises(StopIteration) as free:
+        next(propose_row(llama_backend, logprobs, None, config, 50))
+    assert free.value.value.proposals[0].tokens == [] and free.value.value.proposals[0].ends
+    held = propose_row(llama_backend, logprobs, None, config, 50, min_tokens=1)
+    assert next(held) == [(vocab["Ġwho"], -1)]
+    with pytest.raises(StopIteration) as done:
+        held.send(([0], _one_hot_logprobs(llama_backend, llama_backend.end_ids[0])[None], None))
+    assert done.value.value.proposals[0].tokens == [vocab["Ġwho"]] and done.value.value.proposals[0].ends
+
+
+@pytest.mark.parametrize("unit", ["word", "token"])
+def test_min_new_tokens_keeps_an_answer_from_ending_empty(llama_backend, monkeypatch, unit):
+    """Make the model's likeliest first token its end token: the answer is empty, unless min_new_tokens holds the end
+    back until the answer has that many tokens."""
+    first = int(llama_backend.start([llama_backend.encode_prompt(PROMPT)]).root_logprobs[0].argmax())
+    monkeypatch.setattr(llama_backend, "end_ids", [first])
+    single = AdaFuse([llama_backend], FusionConfig(tau_delta=0.0, num_branches=1, unit=unit, max_new_tokens=8))
+    empty = single.generate(PROMPT)
+    assert (empty.text, empty.finish_reason) == ("", "eos")
+    held = single.generate(PROMPT, min_new_tokens=3)
+    assert held.text.strip() and len(llama_backend.encode_piece(held.text)) >= 3
+
+
+def test_adaptive_sampling_respects_min_new_tokens(llama_backend, monkeypatch):
+    first = int(llama_backend.start([llama_backend.encode_prompt(PROMPT)]).root_logprobs[0].argmax())
+    monkeypatch.setattr(llama_backend, "end_ids", [first])
+    sampler = AdaptiveSampler(llama_backend)
+    assert sampler.sample([PROMPT], max_new_tokens=8)[0].new_tokens == 0
+    assert sampler.sample([PROMPT], max_new_tokens=8, min_new_tokens=3)[0].new_tokens >= 3

@@ -19,6 +19,10 @@ def test_bad_parameter_values(pair):
         pair.generate("hi", num_branches=0)
     with pytest.raises(ValueError, match="model_weights"):
         pair.generate("hi", model_weights=[1.0])
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        pair.generate("hi", max_new_tokens=4, min_new_tokens=5)
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        pair.generate("hi", min_new_tokens=-1)
 
 
 def test_unknown_parameter(pair):

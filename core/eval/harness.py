@@ -98,8 +98,10 @@ class Evaluator:
 
     def _run_method(self, method: str, bench: Benchmark, prompts: list[str], batch_size: int) -> list[_Outcome]:
         budget = min(bench.max_new_tokens, self.max_new_tokens or bench.max_new_tokens)
-        # Every method is judged by its first non-empty answer: a leading newline does not end the answer.
-        options = {"max_new_tokens": budget, "stop": list(bench.stop), "stop_after_text": True, "max_batch_size": batch_size}
+        # Every method is judged by its first non-empty answer: it may not end before its first token, and a leading
+        # newline does not end it.
+        options = {"max_new_tokens": budget, "min_new_tokens": 1, "stop": list(bench.stop), "stop_after_text": True,
+                   "max_batch_size": batch_size}
         if method.startswith("single:"):
             return _outcomes(self._singles[method.split(":", 1)[1]].generate(prompts, **options))
         engine = self._ensemble(method)

@@ -66,14 +66,18 @@ def propose_row(
     generator: torch.Generator | None = None,
     gate: GateSession | None = None,
     model_index: int = 0,
+    min_tokens: int = 0,
 ) -> Generator[Requests, Feedback, RowProposals]:
     """One row's candidate spans for this round, as a coroutine: it yields the scratch tokens `(token, parent
     node)` its branches need next and is sent back what the forward gave them, so the caller can run every
     row's needs (whatever phase each row is in) in one forward per step.
 
     Whether a model is confident at a word's first token (commit and go on, or explore / end the span) is
-    margin >= τΔ, or the learned gate's choice when one is given.
+    margin >= τΔ, or the learned gate's choice when one is given. A span may not end before it has `min_tokens`
+    tokens: until then the end tokens are taken out of the model's distributions (`min_new_tokens`).
     """
+    if min_tokens > 0:
+        root_logprobs = backend.without_end(root_logprobs)
     firsts, margins = _margins(root_logprobs[None])
     decisions: list[GateDecision] = []
     confident = _confident(gate, model_index, config, token_budget, root_logprobs[None], margins,
@@ -91,6 +95,8 @@ def propose_row(
         nodes, logprobs, hidden = yield [(branch.tokens[-1], branch.node) for branch in live]
         for branch, node in zip(live, nodes):
             branch.node = node
+        if short := [i for i, branch in enumerate(live) if len(branch.tokens) < min_tokens]:
+            logprobs = logprobs.index_copy(0, torch.tensor(short), backend.without_end(logprobs[short]))
         next_tokens, next_margins = _margins(logprobs)
         opening = [i for i, (branch, token) in enumerate(zip(live, next_tokens))
                    if _advance(branch, token, backend, config, token_budget, end_ids)]

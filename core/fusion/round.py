@@ -87,7 +87,8 @@ def _deepest_proposal(config: FusionConfig) -> int:
 
 def _token_round(r: int, state: RowState, context: RoundContext) -> tuple[None, list[Candidate], Scores]:
     position, batches = context.scheduler.position(r), context.scheduler.batches
-    pool = token_candidates(context.backends, batches, position, context.config)
+    pool = token_candidates(context.backends, batches, position, context.config,
+                            may_end=state.new_tokens >= context.config.min_new_tokens)
     return None, pool, token_scores(context.backends, batches, position, pool, state.weights)
 
 
@@ -122,9 +123,10 @@ def _propose(r: int, state: RowState, context: RoundContext) -> Generator[Needs,
     """Run every model's proposal coroutine for row r side by side; return their proposals."""
     scheduler, position = context.scheduler, context.scheduler.position(r)
     budget = context.config.max_new_tokens - state.new_tokens
+    min_tokens = max(0, context.config.min_new_tokens - state.new_tokens)
     runs = {
         m: propose_row(backend, batch.root_logprobs[position], batch.root_hidden[position] if batch.keep_hidden else None,
-                       context.config, budget, context.generator, context.gate, m)
+                       context.config, budget, context.generator, context.gate, m, min_tokens)
         for m, (backend, batch) in enumerate(zip(context.backends, scheduler.batches))
     }
     results: dict[int, RowProposals] = {}

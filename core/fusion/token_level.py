@@ -12,11 +12,13 @@ from .candidates import Candidate, CandidatePool
 __all__ = ["token_candidates", "token_scores"]
 
 
-def token_candidates(backends: list[Backend], batches: list[TokenTree], position: int, config: FusionConfig) -> list[Candidate]:
-    """Every model's top-k next tokens for one row, pooled by their text."""
+def token_candidates(backends: list[Backend], batches: list[TokenTree], position: int, config: FusionConfig,
+                     may_end: bool = True) -> list[Candidate]:
+    """Every model's top-k next tokens for one row, pooled by their text (no end token while `may_end` is False)."""
     pool = CandidatePool()
     for backend, batch in zip(backends, batches):
-        for token in batch.root_logprobs[position].topk(config.token_top_k).indices.tolist():
+        logprobs = batch.root_logprobs[position]
+        for token in (logprobs if may_end else backend.without_end(logprobs)).topk(config.token_top_k).indices.tolist():
             ends = token in backend.end_ids
             pool.add("" if ends else backend.decode([token]), ends, backend.name)
     return pool.candidates()

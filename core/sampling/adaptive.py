@@ -46,22 +46,24 @@ class AdaptiveSampler:
 
     def sample(self, prompts: list[str], *, choice: SamplingFilter | list[SamplingFilter] = GREEDY, max_new_tokens: int = 64,
                stop: tuple[str, ...] = (), generator: torch.Generator | None = None, explore: bool = False,
-               samples_per_prompt: int = 1, max_batch_rows: int | None = None) -> list[Rollout]:
+               samples_per_prompt: int = 1, max_batch_rows: int | None = None, min_new_tokens: int = 0) -> list[Rollout]:
         """`samples_per_prompt` rollouts of each prompt (prompt-major), sharing its prefill. `choice` is one
         configuration or one per prompt. With an adapter, its policy picks each step's temperature (sampled
-        when `explore`, else argmax). At most `max_batch_rows` rows decode together (default: all)."""
+        when `explore`, else argmax). At most `max_batch_rows` rows decode together (default: all); no rollout ends
+        before `min_new_tokens` tokens."""
         choices = list(choice) if isinstance(choice, list) else [choice] * len(prompts)
         per_batch = max(1, (max_batch_rows or len(prompts) * samples_per_prompt) // samples_per_prompt)
         return [
             rollout
             for start in range(0, len(prompts), per_batch)
             for rollout in self._sample_batch(prompts[start:start + per_batch], choices[start:start + per_batch],
-                                              max_new_tokens, stop, generator, explore, samples_per_prompt)
+                                              max_new_tokens, min_new_tokens, stop, generator, explore, samples_per_prompt)
         ]
 
     @torch.inference_mode()
-    def _sample_batch(self, prompts: list[str], choices: list[SamplingFilter], max_new_tokens: int, stop: tuple[str, ...],
-                      generator: torch.Generator | None, explore: bool, samples_per_prompt: int) -> list[Rollout]:
+    def _sample_batch(self, prompts: list[str], choices: list[SamplingFilter], max_new_tokens: int, min_new_tokens: int,
+                      stop: tuple[str, ...], generator: torch.Generator | None, explore: bool,
+                      samples_per_prompt: int) -> list[Rollout]:
         backend = self.backend
         row_choices = [c for c in choices for _ in range(samples_per_prompt)]
         batch = backend.start([backend.encode_prompt(p) for p in prompts], keep_hidden=self.adapter is not None)
@@ -72,6 +74,8 @@ class AdaptiveSampler:
         active = list(range(len(row_choices)))
         for step in range(max_new_tokens):
             logprobs = torch.stack(batch.root_logprobs)
+            if step < min_new_tokens:
+                logprobs = backend.without_end(logprobs)
             temperatures = self._temperatures(batch, logprobs, 1 - step / max_new_tokens, [rollouts[r] for r in active],
                                               explore, generator, [row_choices[r] for r in active])
             spans: list[list[int] | None] = []
@@ -178,7 +182,7 @@ def sample_adaptively(backend: ModelBackend, token: TokenAdapter | None, sequenc
     else:
         choices = [dataclasses.replace(config.sampling_filter, temperature=0.0)] * len(texts)
     rollouts = AdaptiveSampler(backend, token).sample(
-        texts, choice=choices, max_new_tokens=config.max_new_tokens, stop=tuple(config.stop),
+        texts, choice=choices, max_new_tokens=config.max_new_tokens, min_new_tokens=config.min_new_tokens, stop=tuple(config.stop),
         generator=torch.Generator(device=backend.model.device).manual_seed(config.seed),
         samples_per_prompt=config.num_samples,
         max_batch_rows=max_batch_size and max_batch_size * config.num_samples,
