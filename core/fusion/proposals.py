@@ -96,7 +96,8 @@ def propose_row(
         for branch, node in zip(live, nodes):
             branch.node = node
         if short := [i for i, branch in enumerate(live) if len(branch.tokens) < min_tokens]:
-            logprobs = logprobs.index_copy(0, torch.tensor(short), backend.without_end(logprobs[short]))
+            rows = torch.tensor(short, device=logprobs.device)
+            logprobs = logprobs.index_copy(0, rows, backend.without_end(logprobs[rows]))
         next_tokens, next_margins = _margins(logprobs)
         opening = [i for i, (branch, token) in enumerate(zip(live, next_tokens))
                    if _advance(branch, token, backend, config, token_budget, end_ids)]
