@@ -121,6 +121,9 @@ class Backend(ABC):
         transformers' `MinNewTokensLogitsProcessor` leaves them before an answer reaches `min_new_tokens`."""
         masked = logprobs.clone()
         masked[..., self.end_ids] = -torch.inf
+        if torch.isneginf(masked).all(dim=-1).any():
+            raise RuntimeError(f"model {self.name!r} gives only end tokens a probability, so min_new_tokens cannot "
+                               "hold the end back (a served model reporting too few top log-probabilities?)")
         return masked.log_softmax(dim=-1)
 
     def reset_counters(self) -> dict[str, int]:

@@ -264,6 +264,17 @@ def test_a_span_may_not_end_before_min_tokens(llama_backend):
     assert done.value.value.proposals[0].tokens == [vocab["Ġwho"]] and done.value.value.proposals[0].ends
 
 
+def test_min_new_tokens_refuses_a_distribution_of_only_end_tokens(llama_backend):
+    """A served model's top-k may hold only end tokens: masking them would leave nothing, so the error says so
+    instead of renormalising to NaN."""
+    logprobs = torch.full((2, llama_backend.vocab_size), -torch.inf)
+    logprobs[:, llama_backend.end_ids[0]] = 0.0
+    logprobs[0, 5] = -1.0
+    with pytest.raises(RuntimeError, match="only end tokens.*min_new_tokens"):
+        llama_backend.without_end(logprobs)
+    assert llama_backend.without_end(logprobs[:1])[0, 5] == 0.0
+
+
 @pytest.mark.parametrize("unit", ["word", "token"])
 def test_min_new_tokens_keeps_an_answer_from_ending_empty(llama_backend, monkeypatch, unit):
     """Make the model's likeliest first token its end token: the answer is empty, unless min_new_tokens holds the end
