@@ -180,3 +180,16 @@ def test_a_zero_veto_margin_leaves_the_leading_model_its_favourite_every_round(p
 def test_bad_scoring_parameters_are_named(pair, bad):
     with pytest.raises((ValueError, TypeError), match=next(iter(bad))):
         pair.generate("hi", **bad)
+
+
+def test_rank_weighs_whole_answers_as_fusion_weighs_the_models(pair):
+    """`rank` is each model's mean NLL of an answer averaged with the weights generation gives the prompt."""
+    prompt, answers = FEW_SHOT.format(" Paris is big"), [" Paris", " the capital of France"]
+    weights = pair.generate(prompt, max_new_tokens=1).stats.model_weights
+    assert abs(weights["tiny-llama"] - weights["tiny-gemma"]) > 0.05  # so an equal mean would not pass
+    scores = pair.score(prompt, answers)
+    expected = [sum(weights[name] * value for name, value in zip(pair.model_names, row)) for row in scores]
+    assert pair.rank(prompt, answers) == pytest.approx(expected, abs=1e-5)
+    assert pair.rank(prompt, answers, scoring="mean") == pytest.approx([sum(row) / 2 for row in scores], abs=1e-5)
+    with pytest.raises(ValueError, match="non-empty"):
+        pair.rank(prompt, [" Paris", ""])

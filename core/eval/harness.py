@@ -105,13 +105,15 @@ class Evaluator:
         if method.startswith("single:"):
             return _outcomes(self._singles[method.split(":", 1)[1]].generate(prompts, **options))
         engine = self._ensemble(method)
-        if method.partition("@")[0] == "rerank":
-            return self._rerank(engine, prompts, options)
         overrides = engine_overrides(method, self.fuser.model_names)
+        if method.startswith("rerank"):
+            return self._rerank(engine, prompts, options, overrides)
         return _outcomes(engine.generate(prompts, **options, **overrides))
 
-    def _rerank(self, engine: AdaFuse, prompts: list[str], options: dict[str, Any]) -> list[_Outcome]:
-        """Sample-level selection: each model answers alone; the answer with the lowest mean NLL across models wins."""
+    def _rerank(self, engine: AdaFuse, prompts: list[str], options: dict[str, Any], overrides: dict[str, Any]
+                ) -> list[_Outcome]:
+        """Sample-level selection: each model answers alone; the answer with the lowest NLL averaged over the
+        models, with the weights fusion would give them (`AdaFuse.rank`), wins."""
         singles = {name: self._singles[name] for name in engine.model_names}
         answers = {name: _outcomes(single.generate(prompts, **options)) for name, single in singles.items()}
         outcomes = []
@@ -123,9 +125,9 @@ class Evaluator:
             best = ""
             if texts:
                 started = time.perf_counter()
-                scores = engine.score(prompt, texts)
+                scores = engine.rank(prompt, texts, **overrides)
                 seconds += time.perf_counter() - started
-                best = texts[min(range(len(texts)), key=lambda t: sum(scores[t]))]
+                best = texts[min(range(len(texts)), key=scores.__getitem__)]
                 for backend in engine.backends:
                     passes[backend.name] += backend.reset_counters()["forward_passes"]
             outcomes.append(_Outcome(best, seconds, passes, 1, 0, [], {}))

@@ -48,6 +48,23 @@ _ADAFUSE_OPTIONS = {"tau": ("tau_delta", float), "B": ("num_branches", int), "ga
                     "confidence": ("confidence_sharpness", float),
                     "norm": ("span_normalization", str), "veto": ("veto_margin", float)}
 
+_RERANK_OPTIONS = {name: _ADAFUSE_OPTIONS[name] for name in ("scoring", "sharpness")}
+
+
+def _options(argument: str, known: dict[str, tuple[str, type]]) -> dict[str, Any] | None:
+    """Engine fields from `name=value;name=value`; None when an option is unknown or its value malformed."""
+    overrides: dict[str, Any] = {}
+    for option in argument.split(";") if argument else []:
+        name, _, value = option.partition("=")
+        if name not in known or not value:
+            return None
+        field_name, kind_of = known[name]
+        try:
+            overrides[field_name] = kind_of(value)
+        except ValueError:
+            return None
+    return overrides
+
 
 def engine_overrides(method: str, model_names: list[str]) -> dict[str, Any]:
     """Engine overrides that implement a method (single models, rerank are handled by the evaluator)."""
@@ -57,30 +74,21 @@ def engine_overrides(method: str, model_names: list[str]) -> dict[str, Any]:
     kind, _, argument = method.partition(":")
     if kind == "single" and argument in model_names:
         return {}
-    if kind == "rerank" and not argument:
-        return {}
+    if kind == "rerank":
+        overrides = _options(argument, _RERANK_OPTIONS)
+        if overrides is not None:
+            return overrides
     if kind == "unite" and not argument:
         return {"unit": "token"}
     if kind == "fixed" and argument.isdigit() and int(argument) >= 1:
         return {"fixed_span_words": int(argument)}
     if kind == "adafuse":
-        if not argument:
-            return {}
-        overrides = {}
-        for option in argument.split(";"):
-            name, _, value = option.partition("=")
-            if name not in _ADAFUSE_OPTIONS or not value:
-                break
-            field_name, kind_of = _ADAFUSE_OPTIONS[name]
-            try:
-                overrides[field_name] = kind_of(value)
-            except ValueError:
-                break
-        else:
+        overrides = _options(argument, _ADAFUSE_OPTIONS)
+        if overrides is not None:
             return overrides
     raise ValueError(
         f"unknown method {method!r}: use single:<model> ({', '.join(model_names)}), adafuse, adafuse:tau=X, "
         f"adafuse:B=N, adafuse:gate=<folder or shipped name>, adafuse:scoring=mean|competence, adafuse:sharpness=X, adafuse:confidence=X, adafuse:norm=token|char|total, adafuse:veto=X, "
         f"several joined by ';' (adafuse:norm=char;scoring=mean), "
-        f"fixed:N, unite, rerank (any fused one with @model+model), or the groups single, ablations, baselines, sweep, all"
+        f"fixed:N, unite, rerank, rerank:scoring=mean|competence, rerank:sharpness=X (any fused one with @model+model), or the groups single, ablations, baselines, sweep, all"
     )

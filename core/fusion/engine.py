@@ -265,21 +265,38 @@ class AdaFuse:
         return encoded
 
     def score(self, prompt: Prompt, continuations: list[str]) -> list[list[float]]:
-        """Each model's mean token NLL of each continuation of `prompt` (one row per continuation).
+        """Each model's mean token NLL of each continuation of `prompt` (one row per continuation)."""
+        return self._score(prompt, continuations, self.config)[0]
 
-        The sample-level baseline uses this to pick, among whole answers, the one the ensemble finds likeliest.
+    def rank(self, prompt: Prompt, continuations: list[str], **overrides: Any) -> list[float]:
+        """Each continuation's fused score under this engine's scoring rule, lower being better: the models' mean
+        token NLLs averaged with the weights fusion would give them on `prompt` (competence by default).
+
+        The sample-level baseline picks, among whole answers, the one with the lowest; with competence weights it
+        lets the trusted model judge a weaker one's answer instead of being outvoted by its self-confidence.
         """
+        per_model, weights = self._score(prompt, continuations, self._call_config(overrides))
+        return [float(torch.tensor(row, dtype=weights.dtype) @ weights) for row in per_model]
+
+    def _score(self, prompt: Prompt, continuations: list[str], config: FusionConfig
+               ) -> tuple[list[list[float]], torch.Tensor]:
+        """Per continuation, each model's mean token NLL; and the models' weights for this prompt."""
         if any(not text for text in continuations):
             raise ValueError("continuations to score must be non-empty strings")
+        prompt = normalize_prompt(prompt)
         with self._lock:
             for backend in self.backends:
                 backend.reset_counters()  # left counting this call's work, for callers that report it
-            encoded = self._encode([normalize_prompt(prompt)], self.config)
-            per_model = []
-            for backend, ids in zip(self.backends, encoded):
-                batch = backend.start(ids)
+            encoded = self._encode([prompt], config)
+            marks = competence_marks(self.backends, prompt) if config.scoring == "competence" and len(self.backends) > 1 else None
+            per_model, batches = [], []
+            for m, (backend, ids) in enumerate(zip(self.backends, encoded)):
+                batch = backend.start(ids, scored=[marks[m][0]] if marks else None)
                 paths = [backend.encode_piece(text) for text in continuations]
                 batch.ensure_paths([paths])
+                batches.append(batch)
                 per_model.append([span_nll(backend, batch, 0, path, text, False, "token")
                                   for path, text in zip(paths, continuations)])
-        return [list(row) for row in zip(*per_model)]
+            prior = torch.tensor(config.model_weights or [1.0] * len(self.backends))
+            weights = row_weights(prior / prior.sum(), batches, 0, marks, config.competence_sharpness)
+        return [list(row) for row in zip(*per_model)], weights
