@@ -27,7 +27,7 @@ from .constrained import row_constraint
 from .gate import GateSession, gate_session
 from .round import RoundContext, rounds
 from .scoring import competence_marks, row_weights, span_nll
-from .state import RowState
+from .state import CompetenceMarks, RowState
 
 __all__ = ["AdaFuse"]
 
@@ -196,7 +196,7 @@ class AdaFuse:
                rows: Indexed[RowState], configs: Indexed[FusionConfig], keep_hidden: bool) -> list[TokenTree]:
         """Prefill the joining rows for every model (scoring the prompt tokens that competence reads, for rows whose
         configuration weighs models by competence); rows are looked up by index in lists or dicts."""
-        competent = [r for r in joining if configs[r].scoring == "competence" and len(self.backends) > 1]
+        competent = [r for r in joining if self._weighs_by_competence(configs[r])]
         for r in competent:
             rows[r].competence = competence_marks(self.backends, prompts[r])
         scored: list[list[list[bool]] | None] = [None] * len(self.backends)
@@ -208,12 +208,19 @@ class AdaFuse:
 
     def _start_row(self, r: int, state: RowState, context: RoundContext) -> RowTask:
         """A joined row's rounds, with its models' weights for this prompt."""
-        config = context.config
-        prior = torch.tensor(config.model_weights or [1.0] * len(self.backends))
-        state.weights = row_weights(prior / prior.sum(), context.scheduler.batches, context.scheduler.position(r),
-                                    state.competence, config.competence_sharpness)
+        state.weights = self._prompt_weights(context.config, context.scheduler.batches, context.scheduler.position(r),
+                                             state.competence)
         state.stats.model_weights = dict(zip(self.model_names, state.weights.tolist()))
         return rounds(r, state, context)
+
+    def _weighs_by_competence(self, config: FusionConfig) -> bool:
+        return config.scoring == "competence" and len(self.backends) > 1
+
+    def _prompt_weights(self, config: FusionConfig, batches: Sequence[TokenTree], position: int,
+                        marks: CompetenceMarks | None) -> torch.Tensor:
+        """The models' weights on one prefilled prompt: the normalised prior, scaled by competence where scored."""
+        prior = torch.tensor(config.model_weights or [1.0] * len(self.backends))
+        return row_weights(prior / prior.sum(), batches, position, marks, config.competence_sharpness)
 
     def _finish(self, rows: list[RowState], scheduler: Scheduler, elapsed: float, gate: GateSession | None
                 ) -> Iterator[tuple[int, str | GenerationResult]]:
@@ -266,7 +273,7 @@ class AdaFuse:
 
     def score(self, prompt: Prompt, continuations: list[str]) -> list[list[float]]:
         """Each model's mean token NLL of each continuation of `prompt` (one row per continuation)."""
-        return self._score(prompt, continuations, self.config)[0]
+        return self._score(prompt, continuations, self.config.update(scoring="mean"))[0]
 
     def rank(self, prompt: Prompt, continuations: list[str], **overrides: Any) -> list[float]:
         """Each continuation's fused score under this engine's scoring rule, lower being better: the models' mean
@@ -280,7 +287,8 @@ class AdaFuse:
 
     def _score(self, prompt: Prompt, continuations: list[str], config: FusionConfig
                ) -> tuple[list[list[float]], torch.Tensor]:
-        """Per continuation, each model's mean token NLL; and the models' weights for this prompt."""
+        """Per continuation, each model's mean token NLL; and the models' weights for this prompt (the prompt's
+        competence tokens are scored in its prefill only when `config` weighs by competence)."""
         if any(not text for text in continuations):
             raise ValueError("continuations to score must be non-empty strings")
         prompt = normalize_prompt(prompt)
@@ -288,7 +296,7 @@ class AdaFuse:
             for backend in self.backends:
                 backend.reset_counters()  # left counting this call's work, for callers that report it
             encoded = self._encode([prompt], config)
-            marks = competence_marks(self.backends, prompt) if config.scoring == "competence" and len(self.backends) > 1 else None
+            marks = competence_marks(self.backends, prompt) if self._weighs_by_competence(config) else None
             per_model, batches = [], []
             for m, (backend, ids) in enumerate(zip(self.backends, encoded)):
                 batch = backend.start(ids, scored=[marks[m][0]] if marks else None)
@@ -297,6 +305,5 @@ class AdaFuse:
                 batches.append(batch)
                 per_model.append([span_nll(backend, batch, 0, path, text, False, "token")
                                   for path, text in zip(paths, continuations)])
-            prior = torch.tensor(config.model_weights or [1.0] * len(self.backends))
-            weights = row_weights(prior / prior.sum(), batches, 0, marks, config.competence_sharpness)
+            weights = self._prompt_weights(config, batches, 0, marks)
         return [list(row) for row in zip(*per_model)], weights
