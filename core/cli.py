@@ -36,6 +36,8 @@ def _add_decoding_options(parser: argparse.ArgumentParser) -> None:
                         help="per round, how fast a model's weight falls with its NLL of its likeliest candidate (0: off)")
     parser.add_argument("--veto-margin", type=float, default=defaults.veto_margin,
                         help="NLL (in the unit of span_normalization) by which a candidate may trail the most-weighted model's favourite and still win")
+    parser.add_argument("--rerank", choices=["off", "members", "all"], default=defaults.rerank,
+                        help="choose among whole answers: each model's own (members), or those and the fused one (all)")
     parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
     parser.add_argument("--min-new-tokens", type=int, default=defaults.min_new_tokens,
                         help="tokens the answer must have before it may end (0: it may be empty)")
@@ -78,6 +80,7 @@ def _config(args: argparse.Namespace) -> FusionConfig:
         competence_sharpness=args.competence_sharpness,
         confidence_sharpness=args.confidence_sharpness,
         veto_margin=args.veto_margin,
+        rerank=args.rerank,
         max_new_tokens=args.max_new_tokens,
         min_new_tokens=args.min_new_tokens,
         stop=[_unescape(s) for s in args.stop],

@@ -13,6 +13,7 @@ from .constraints import compile_constraint
 
 ExplorationKind = Literal["topk", "sample"]
 FusionUnit = Literal["word", "token"]
+Rerank = Literal["off", "members", "all"]
 Scoring = Literal["mean", "competence"]
 SpanNormalization = Literal["token", "char", "total"]
 
@@ -90,6 +91,10 @@ class FusionConfig:
             trained for (one of the fused models): the sequence adapter picks a sampling configuration per
             prompt, the token adapter a temperature at every step.
         num_samples: parallel samples per prompt under adaptive sampling; the majority answer is returned.
+        rerank: choose among whole answers after decoding. "members": each model answers alone (greedy) and the
+            answer with the lowest fused score (`AdaFuse.rank`: mean NLLs weighted as `scoring` weighs the models)
+            wins, the sample-level baseline; "all": the fused answer competes with the members' answers (suits short
+            answers; for translation the word-level answer alone scored higher); "off": the fused answer.
         json_schema, regex: the answer must match this JSON schema (a dict) or regular expression; every round's
             candidates are cut to what can still match, and an answer cut short by the budget is closed, so it
             always parses (`adafuse.constraints`). Word-level fusion only.
@@ -123,6 +128,7 @@ class FusionConfig:
     token_adapter: str | None = None
     sequence_adapter: str | None = None
     num_samples: int = 1
+    rerank: Rerank = "off"
     json_schema: dict | None = None
     regex: str | None = None
 
@@ -140,7 +146,7 @@ class FusionConfig:
             return
         if self.json_schema is not None and self.regex is not None:
             raise ValueError("invalid json_schema and regex: give one constraint, not both")
-        if self.decoding_mode() is not DecodingMode.WORD_FUSION:
+        if self.unit != "word" or self.samples_adaptively:
             raise ValueError(f"invalid {'json_schema' if self.json_schema is not None else 'regex'}: constrained output "
                              "needs word-level fusion (unit='word', no token or sequence adapter)")
         compile_constraint(self.json_schema, self.regex)
@@ -173,6 +179,9 @@ class FusionConfig:
              "1, or more with a token_adapter or sequence_adapter (fused decoding is deterministic)"),
             ("fusion_gate", self.fusion_gate is None or not self.samples_adaptively,
              "None when a token_adapter or sequence_adapter samples instead of fusing"),
+            ("rerank", self.rerank in ("off", "members", "all"), "'off', 'members' or 'all'"),
+            ("rerank", self.rerank == "off" or not self.samples_adaptively,
+             "'off' when a token_adapter or sequence_adapter samples instead of fusing"),
         ]
         for name, ok, expected in checks:
             if not ok:

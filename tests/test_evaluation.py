@@ -85,8 +85,9 @@ def test_ensemble_suffix_and_joined_options_parse():
     assert ensemble_of("rerank", names) == names and ensemble_of("single:b", names) == ["b"]
     assert engine_overrides("adafuse:scoring=mean;norm=token;sharpness=3@a+b", names) == {
         "scoring": "mean", "span_normalization": "token", "competence_sharpness": 3.0}
-    assert engine_overrides("rerank@a+b", names) == {}
-    assert engine_overrides("rerank:scoring=mean@a+b", names) == {"scoring": "mean"}
+    assert engine_overrides("rerank@a+b", names) == {"rerank": "members"}
+    assert engine_overrides("adafuse:rerank=all@a+b", names) == {"rerank": "all"}
+    assert engine_overrides("rerank:scoring=mean@a+b", names) == {"rerank": "members", "scoring": "mean"}
     for bad in ["adafuse@a+d", "adafuse@a", "adafuse:sharpness=x", "adafuse:scoring=mean;bogus=1", "adafuse:tau=0.5;",
                 "rerank:tau=0.5", "rerank:scoring=mean;"]:
         with pytest.raises(ValueError):

@@ -193,3 +193,25 @@ def test_rank_weighs_whole_answers_as_fusion_weighs_the_models(pair):
     assert pair.rank(prompt, answers, scoring="mean") == pytest.approx([sum(row) / 2 for row in scores], abs=1e-5)
     with pytest.raises(ValueError, match="non-empty"):
         pair.rank(prompt, [" Paris", ""])
+
+
+def test_rerank_returns_the_pooled_answer_that_rank_prefers(pair):
+    """rerank="members" picks among the models' own greedy answers, "all" adds the fused one; the pick is `rank`'s."""
+    prompts = [FEW_SHOT.format(" Paris is big"), FEW_SHOT.format(" a cat")]
+    fused = [r.text for r in pair.generate(prompts, max_new_tokens=6)]
+    alone = [[r.text for r in AdaFuse([b]).generate(prompts, max_new_tokens=6, tau_delta=0.0, num_branches=1)]
+             for b in pair.backends]
+    for rerank, pools in [("members", [list(texts) for texts in zip(*alone)]),
+                          ("all", [[f, *texts] for f, texts in zip(fused, zip(*alone))])]:
+        results = pair.generate(prompts, max_new_tokens=6, rerank=rerank)
+        for prompt, pool, result in zip(prompts, pools, results):
+            answers = list(dict.fromkeys(text for text in pool if text.strip()))
+            assert len(answers) >= 2  # so the choice is made by rank, not by default
+            scores = pair.rank(prompt, answers)
+            assert result.text == answers[scores.index(min(scores))]
+            assert set(result.stats.model_weights) == set(pair.model_names)
+            assert all(result.stats.row_forward_passes[name] > 0 for name in pair.model_names)
+    *pieces, final = list(pair.stream(prompts[0], max_new_tokens=6, rerank="all"))
+    assert "".join(pieces) == final.text == pair.batcher.generate(prompts[0], max_new_tokens=6, rerank="all").text
+    with pytest.raises(ValueError, match="rerank"):
+        pair.generate(prompts[0], rerank="best")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,32 +105,7 @@ class Evaluator:
             return _outcomes(self._singles[method.split(":", 1)[1]].generate(prompts, **options))
         engine = self._ensemble(method)
         overrides = engine_overrides(method, self.fuser.model_names)
-        if method.startswith("rerank"):
-            return self._rerank(engine, prompts, options, overrides)
         return _outcomes(engine.generate(prompts, **options, **overrides))
-
-    def _rerank(self, engine: AdaFuse, prompts: list[str], options: dict[str, Any], overrides: dict[str, Any]
-                ) -> list[_Outcome]:
-        """Sample-level selection: each model answers alone; the answer with the lowest NLL averaged over the
-        models, with the weights fusion would give them (`AdaFuse.rank`), wins."""
-        singles = {name: self._singles[name] for name in engine.model_names}
-        answers = {name: _outcomes(single.generate(prompts, **options)) for name, single in singles.items()}
-        outcomes = []
-        for i, prompt in enumerate(prompts):
-            mine = [answers[name][i] for name in singles]
-            passes = {name: outcome.forward_passes[name] for name, outcome in zip(singles, mine)}
-            seconds = sum(outcome.wall_time_s for outcome in mine)
-            texts = list(dict.fromkeys(o.completion for o in mine if o.completion.strip()))
-            best = ""
-            if texts:
-                started = time.perf_counter()
-                scores = engine.rank(prompt, texts, **overrides)
-                seconds += time.perf_counter() - started
-                best = texts[min(range(len(texts)), key=scores.__getitem__)]
-                for backend in engine.backends:
-                    passes[backend.name] += backend.reset_counters()["forward_passes"]
-            outcomes.append(_Outcome(best, seconds, passes, 1, 0, [], {}))
-        return outcomes
 
     def report(self, command: str) -> Path:
         """Aggregate the JSONL into report.md and PNG plots; return the report path."""

@@ -46,7 +46,7 @@ def ensemble_of(method: str, model_names: list[str]) -> list[str]:
 _ADAFUSE_OPTIONS = {"tau": ("tau_delta", float), "B": ("num_branches", int), "gate": ("fusion_gate", str),
                     "scoring": ("scoring", str), "sharpness": ("competence_sharpness", float),
                     "confidence": ("confidence_sharpness", float),
-                    "norm": ("span_normalization", str), "veto": ("veto_margin", float)}
+                    "norm": ("span_normalization", str), "veto": ("veto_margin", float), "rerank": ("rerank", str)}
 
 _RERANK_OPTIONS = {name: _ADAFUSE_OPTIONS[name] for name in ("scoring", "sharpness")}
 
@@ -67,7 +67,7 @@ def _options(argument: str, known: dict[str, tuple[str, type]]) -> dict[str, Any
 
 
 def engine_overrides(method: str, model_names: list[str]) -> dict[str, Any]:
-    """Engine overrides that implement a method (single models, rerank are handled by the evaluator)."""
+    """Engine overrides that implement a method (single models are handled by the evaluator)."""
     method, _, members = method.partition("@")
     if members:
         ensemble_of(f"{method}@{members}", model_names)
@@ -77,7 +77,7 @@ def engine_overrides(method: str, model_names: list[str]) -> dict[str, Any]:
     if kind == "rerank":
         overrides = _options(argument, _RERANK_OPTIONS)
         if overrides is not None:
-            return overrides
+            return {"rerank": "members", **overrides}
     if kind == "unite" and not argument:
         return {"unit": "token"}
     if kind == "fixed" and argument.isdigit() and int(argument) >= 1:
@@ -88,7 +88,7 @@ def engine_overrides(method: str, model_names: list[str]) -> dict[str, Any]:
             return overrides
     raise ValueError(
         f"unknown method {method!r}: use single:<model> ({', '.join(model_names)}), adafuse, adafuse:tau=X, "
-        f"adafuse:B=N, adafuse:gate=<folder or shipped name>, adafuse:scoring=mean|competence, adafuse:sharpness=X, adafuse:confidence=X, adafuse:norm=token|char|total, adafuse:veto=X, "
+        f"adafuse:B=N, adafuse:gate=<folder or shipped name>, adafuse:scoring=mean|competence, adafuse:sharpness=X, adafuse:confidence=X, adafuse:norm=token|char|total, adafuse:veto=X, adafuse:rerank=all, "
         f"several joined by ';' (adafuse:norm=char;scoring=mean), "
         f"fixed:N, unite, rerank, rerank:scoring=mean|competence, rerank:sharpness=X (any fused one with @model+model), or the groups single, ablations, baselines, sweep, all"
     )

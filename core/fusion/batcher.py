@@ -47,8 +47,8 @@ class RequestBatcher:
     """Decodes the requests of many callers together, at most `max_batch_size` at a time.
 
     `stream(prompt, **overrides)` and `generate(...)` behave as the engine's, and give the same answers as the
-    prompt decoded alone. Learned samplers and fusion gates are decoded by the engine directly (after the running
-    batch), since they are not row-by-row decodings.
+    prompt decoded alone. Learned samplers, fusion gates and whole-answer reranking are decoded by the engine directly
+    (after the running batch), since they are not row-by-row decodings.
     """
 
     def __init__(self, engine: Any, max_batch_size: int = 8):  # the AdaFuse engine (which imports this module)
@@ -69,7 +69,7 @@ class RequestBatcher:
         """Text pieces as rounds commit them, then the `GenerationResult`. Bad input raises here, before decoding;
         closing the iterator drops the request from the batch."""
         prompt, config = normalize_prompt(prompt), self.engine._call_config(overrides)
-        if config.decoding_mode() is DecodingMode.ADAPTIVE_SAMPLING or config.fusion_gate is not None:
+        if config.decoding_mode() is DecodingMode.ADAPTIVE_SAMPLING or config.fusion_gate is not None or config.rerank != "off":
             yield from self.engine.stream(prompt, trace=trace, **overrides)
             return
         encoded = [ids[0] for ids in self.engine._encode([prompt], config)]

@@ -2,10 +2,11 @@
 scheduled by `runtime.scheduler`, or adaptive sampling where the configuration asks for it."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import closing
 from typing import Any, TypeVar
 
@@ -170,27 +171,80 @@ class AdaFuse:
         if config.decoding_mode() is DecodingMode.ADAPTIVE_SAMPLING:
             yield from self._sample(prompts, config, max_batch_size)
             return
-        gate = gate or gate_session(self._policies, config, self.backends)
         with self._lock:
-            started = time.perf_counter()
-            for backend in self.backends:
-                backend.reset_counters()
-            encoded = self._encode(prompts, config)
-            rows = [RowState(trace=[] if trace else None, constraint=row_constraint(p, config)) for p in prompts]
-            for r, state in enumerate(rows):
-                state.stats.prompt_tokens = {b.name: len(ids[r]) for b, ids in zip(self.backends, encoded)}
-            scheduler = Scheduler(len(prompts), max_batch_size)
-            generator = torch.Generator(device=self.backends[0].device).manual_seed(config.seed)
+            if config.rerank == "off":
+                yield from self._fuse(prompts, config, trace, max_batch_size, gate)
+            else:
+                yield from self._rerank(prompts, config, trace, max_batch_size)
 
-            def admit(joining: list[int]) -> list[TokenTree]:
-                return self._admit(joining, prompts, encoded, rows, [config] * len(prompts), keep_hidden=gate is not None)
+    def _fuse(self, prompts: list[Prompt], config: FusionConfig, trace: bool, max_batch_size: int | None,
+              gate: GateSession | None) -> Iterator[tuple[int, str | GenerationResult]]:
+        """Fused decoding of the prompts as one continuous batch (the caller holds the lock)."""
+        gate = gate or gate_session(self._policies, config, self.backends)
+        started = time.perf_counter()
+        for backend in self.backends:
+            backend.reset_counters()
+        encoded = self._encode(prompts, config)
+        rows = [RowState(trace=[] if trace else None, constraint=row_constraint(p, config)) for p in prompts]
+        for r, state in enumerate(rows):
+            state.stats.prompt_tokens = {b.name: len(ids[r]) for b, ids in zip(self.backends, encoded)}
+        scheduler = Scheduler(len(prompts), max_batch_size)
+        generator = torch.Generator(device=self.backends[0].device).manual_seed(config.seed)
 
-            def start(r: int) -> RowTask:
-                return self._start_row(r, rows[r], RoundContext(self.backends, scheduler, config, gate, generator))
+        def admit(joining: list[int]) -> list[TokenTree]:
+            return self._admit(joining, prompts, encoded, rows, [config] * len(prompts), keep_hidden=gate is not None)
 
-            for r in scheduler.run(admit, start):
-                yield from ((r, piece) for piece in rows[r].take_pieces())
-            yield from self._finish(rows, scheduler, time.perf_counter() - started, gate)
+        def start(r: int) -> RowTask:
+            return self._start_row(r, rows[r], RoundContext(self.backends, scheduler, config, gate, generator))
+
+        for r in scheduler.run(admit, start):
+            yield from ((r, piece) for piece in rows[r].take_pieces())
+        yield from self._finish(rows, scheduler, time.perf_counter() - started, gate)
+
+    def _rerank(self, prompts: list[Prompt], config: FusionConfig, trace: bool, max_batch_size: int | None
+                ) -> Iterator[tuple[int, str | GenerationResult]]:
+        """Whole-answer selection: every model answers alone (and, with rerank="all", the fused answer joins them);
+        per prompt the answer with the lowest fused score (`rank`) is the result. Nothing streams before the choice."""
+        started = time.perf_counter()
+        self._encode(prompts, config)  # a bad prompt fails before any decoding
+        pools: list[list[GenerationResult]] = [[] for _ in prompts]
+        if config.rerank == "all":
+            for r, result in _results(self._fuse(prompts, config, trace, max_batch_size, None)):
+                pools[r].append(result)
+        solo = config.update(tau_delta=0.0, num_branches=1, fixed_span_words=None, model_weights=None, fusion_gate=None)
+        for member in self._members:
+            for r, result in _results(member._fuse(prompts, solo, False, max_batch_size, None)):
+                pools[r].append(result)
+        picks = [self._pick(prompt, pool, config) for prompt, pool in zip(prompts, pools)]
+        elapsed = time.perf_counter() - started
+        scorings = [work for _, _, work in picks]
+        for r, ((chosen, weights, work), pool) in enumerate(zip(picks, pools)):
+            stats = dataclasses.replace(
+                chosen.stats, wall_time_s=elapsed, model_weights=dict(zip(self.model_names, weights)) if weights else {},
+                forward_passes=_sum_counts([*_counts(scorings, "forward_passes"), *(x.stats.forward_passes for x in pool)]),
+                tokens_processed=_sum_counts([*_counts(scorings, "tokens"), *(x.stats.tokens_processed for x in pool)]),
+                row_forward_passes=_sum_counts([*_counts([work], "forward_passes"),
+                                                *(x.stats.row_forward_passes for x in pool)]))
+            yield r, chosen.text
+            yield r, GenerationResult(chosen.text, chosen.finish_reason, stats, chosen.trace)
+
+    def _pick(self, prompt: Prompt, pool: list[GenerationResult], config: FusionConfig
+              ) -> tuple[GenerationResult, list[float] | None, dict[str, dict[str, int]]]:
+        """The pooled answer with the lowest fused score, the models' weights and each model's work counters for the
+        scoring (a blank answer is never chosen over one with text; with one distinct answer nothing is scored)."""
+        answers = list(dict.fromkeys(result.text for result in pool if result.text.strip()))
+        if len(answers) < 2:
+            return next((result for result in pool if result.text in answers), pool[0]), None, {}
+        per_model, weights = self._score(prompt, answers, config)
+        work = {b.name: b.reset_counters() for b in self.backends}
+        fused = _fused_scores(per_model, weights)
+        best = answers[min(range(len(answers)), key=fused.__getitem__)]
+        return next(result for result in pool if result.text == best), weights.tolist(), work
+
+    @functools.cached_property
+    def _members(self) -> list["AdaFuse"]:
+        """One engine per model, sharing its backend, for the members' own answers under `rerank`."""
+        return [AdaFuse([backend]) for backend in self.backends]
 
     def _admit(self, joining: list[int], prompts: Indexed[Prompt], encoded: list[Indexed[list[int]]],
                rows: Indexed[RowState], configs: Indexed[FusionConfig], keep_hidden: bool) -> list[TokenTree]:
@@ -273,37 +327,63 @@ class AdaFuse:
 
     def score(self, prompt: Prompt, continuations: list[str]) -> list[list[float]]:
         """Each model's mean token NLL of each continuation of `prompt` (one row per continuation)."""
-        return self._score(prompt, continuations, self.config.update(scoring="mean"))[0]
+        with self._lock:
+            return self._score(prompt, continuations, self.config.update(scoring="mean"))[0]
 
     def rank(self, prompt: Prompt, continuations: list[str], **overrides: Any) -> list[float]:
         """Each continuation's fused score under this engine's scoring rule, lower being better: the models' mean
         token NLLs averaged with the weights fusion would give them on `prompt` (competence by default).
 
-        The sample-level baseline picks, among whole answers, the one with the lowest; with competence weights it
-        lets the trusted model judge a weaker one's answer instead of being outvoted by its self-confidence.
+        `rerank` picks, among whole answers, the one with the lowest; with competence weights it lets the trusted
+        model judge a weaker one's answer instead of being outvoted by its self-confidence.
         """
-        per_model, weights = self._score(prompt, continuations, self._call_config(overrides))
-        return [float(torch.tensor(row, dtype=weights.dtype) @ weights) for row in per_model]
+        config = self._call_config(overrides)
+        with self._lock:
+            return _fused_scores(*self._score(prompt, continuations, config))
 
     def _score(self, prompt: Prompt, continuations: list[str], config: FusionConfig
                ) -> tuple[list[list[float]], torch.Tensor]:
         """Per continuation, each model's mean token NLL; and the models' weights for this prompt (the prompt's
-        competence tokens are scored in its prefill only when `config` weighs by competence)."""
+        competence tokens are scored in its prefill only when `config` weighs by competence); the caller holds the
+        lock."""
         if any(not text for text in continuations):
             raise ValueError("continuations to score must be non-empty strings")
         prompt = normalize_prompt(prompt)
-        with self._lock:
-            for backend in self.backends:
-                backend.reset_counters()  # left counting this call's work, for callers that report it
-            encoded = self._encode([prompt], config)
-            marks = competence_marks(self.backends, prompt) if self._weighs_by_competence(config) else None
-            per_model, batches = [], []
-            for m, (backend, ids) in enumerate(zip(self.backends, encoded)):
-                batch = backend.start(ids, scored=[marks[m][0]] if marks else None)
-                paths = [backend.encode_piece(text) for text in continuations]
-                batch.ensure_paths([paths])
-                batches.append(batch)
-                per_model.append([span_nll(backend, batch, 0, path, text, False, "token")
-                                  for path, text in zip(paths, continuations)])
-            weights = self._prompt_weights(config, batches, 0, marks)
+        for backend in self.backends:
+            backend.reset_counters()  # left counting this call's work, for callers that report it
+        encoded = self._encode([prompt], config)
+        marks = competence_marks(self.backends, prompt) if self._weighs_by_competence(config) else None
+        per_model, batches = [], []
+        for m, (backend, ids) in enumerate(zip(self.backends, encoded)):
+            batch = backend.start(ids, scored=[marks[m][0]] if marks else None)
+            paths = [backend.encode_piece(text) for text in continuations]
+            batch.ensure_paths([paths])
+            batches.append(batch)
+            per_model.append([span_nll(backend, batch, 0, path, text, False, "token")
+                              for path, text in zip(paths, continuations)])
+        weights = self._prompt_weights(config, batches, 0, marks)
         return [list(row) for row in zip(*per_model)], weights
+
+
+def _results(events: Iterator[tuple[int, str | GenerationResult]]) -> Iterator[tuple[int, GenerationResult]]:
+    """The (prompt index, result) events of a decoding, its text pieces dropped."""
+    return ((r, event) for r, event in events if isinstance(event, GenerationResult))
+
+
+def _fused_scores(per_model: list[list[float]], weights: torch.Tensor) -> list[float]:
+    """Each continuation's models' NLLs averaged with the models' weights."""
+    return [float(torch.tensor(row, dtype=weights.dtype) @ weights) for row in per_model]
+
+
+def _counts(work: list[dict[str, dict[str, int]]], key: str) -> Iterator[dict[str, int]]:
+    """One counter (e.g. "forward_passes") per model from each of several calls' work counters."""
+    return ({model: counters[key] for model, counters in calls.items()} for calls in work)
+
+
+def _sum_counts(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    """Per model, the sum of several calls' counts."""
+    total: dict[str, int] = {}
+    for count in counts:
+        for model, n in count.items():
+            total[model] = total.get(model, 0) + n
+    return total
