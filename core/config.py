@@ -146,7 +146,7 @@ class FusionConfig:
             return
         if self.json_schema is not None and self.regex is not None:
             raise ValueError("invalid json_schema and regex: give one constraint, not both")
-        if self.unit != "word" or self.samples_adaptively:
+        if self.decoding_mode() is not DecodingMode.WORD_FUSION:
             raise ValueError(f"invalid {'json_schema' if self.json_schema is not None else 'regex'}: constrained output "
                              "needs word-level fusion (unit='word', no token or sequence adapter)")
         compile_constraint(self.json_schema, self.regex)
@@ -217,6 +217,18 @@ class FusionConfig:
         if self.samples_adaptively:
             return DecodingMode.ADAPTIVE_SAMPLING
         return DecodingMode.TOKEN_FUSION if self.unit == "token" else DecodingMode.WORD_FUSION
+
+    @property
+    def decodes_row_by_row(self) -> bool:
+        """Whether each prompt's rounds can share a batch with other prompts' (what the request batcher decodes);
+        learned samplers, fusion gates and whole-answer reranking decode their own way."""
+        return not self.samples_adaptively and self.fusion_gate is None and self.rerank == "off"
+
+    def alone(self) -> "FusionConfig":
+        """The settings one model answers with on its own: plain greedy decoding (every margin passes tau_delta=0, one
+        branch) without the ensemble-only parts; the single-model baseline and rerank's members use it."""
+        return self.update(tau_delta=0.0, num_branches=1, fixed_span_words=None, model_weights=None, fusion_gate=None,
+                           rerank="off")
 
     @property
     def sampling_filter(self) -> SamplingFilter:

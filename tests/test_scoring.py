@@ -211,6 +211,9 @@ def test_rerank_returns_the_pooled_answer_that_rank_prefers(pair):
             assert result.text == answers[scores.index(min(scores))]
             assert set(result.stats.model_weights) == set(pair.model_names)
             assert all(result.stats.row_forward_passes[name] > 0 for name in pair.model_names)
+        traced = pair.generate(prompts, max_new_tokens=6, rerank=rerank, trace=True)
+        assert [r.text for r in traced] == [r.text for r in results]
+        assert all(r.trace and "".join(round_.chosen for round_ in r.trace).startswith(r.text) for r in traced)
     *pieces, final = list(pair.stream(prompts[0], max_new_tokens=6, rerank="all"))
     assert "".join(pieces) == final.text == pair.batcher.generate(prompts[0], max_new_tokens=6, rerank="all").text
     with pytest.raises(ValueError, match="rerank"):

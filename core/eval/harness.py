@@ -45,7 +45,7 @@ class Evaluator:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.predictions = self.out_dir / "predictions.jsonl"
-        self._singles = {b.name: AdaFuse([b], FusionConfig(tau_delta=0.0, num_branches=1)) for b in fuser.backends}
+        self._singles = {b.name: AdaFuse([b], FusionConfig().alone()) for b in fuser.backends}
         self._ensembles: dict[tuple[str, ...], AdaFuse] = {}
 
     def _ensemble(self, method: str) -> AdaFuse:

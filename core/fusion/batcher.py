@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..config import DecodingMode, FusionConfig
+from ..config import FusionConfig
 from ..prompts import Prompt, normalize_prompt
 from ..result import GenerationResult
 from ..runtime import TokenTree
@@ -69,7 +69,7 @@ class RequestBatcher:
         """Text pieces as rounds commit them, then the `GenerationResult`. Bad input raises here, before decoding;
         closing the iterator drops the request from the batch."""
         prompt, config = normalize_prompt(prompt), self.engine._call_config(overrides)
-        if config.decoding_mode() is DecodingMode.ADAPTIVE_SAMPLING or config.fusion_gate is not None or config.rerank != "off":
+        if not config.decodes_row_by_row:
             yield from self.engine.stream(prompt, trace=trace, **overrides)
             return
         encoded = [ids[0] for ids in self.engine._encode([prompt], config)]

@@ -211,9 +211,8 @@ class AdaFuse:
         if config.rerank == "all":
             for r, result in _results(self._fuse(prompts, config, trace, max_batch_size, None)):
                 pools[r].append(result)
-        solo = config.update(tau_delta=0.0, num_branches=1, fixed_span_words=None, model_weights=None, fusion_gate=None)
         for member in self._members:
-            for r, result in _results(member._fuse(prompts, solo, False, max_batch_size, None)):
+            for r, result in _results(member._fuse(prompts, config.alone(), trace, max_batch_size, None)):
                 pools[r].append(result)
         picks = [self._pick(prompt, pool, config) for prompt, pool in zip(prompts, pools)]
         elapsed = time.perf_counter() - started
